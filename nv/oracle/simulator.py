@@ -1,0 +1,184 @@
+"""White-box simulator of a restrictive API over a local transformers model.
+
+One forward pass per prompt gives the exact next-token distribution; N API calls are then
+one exact multinomial draw over the vocabulary, so N = 10^6 costs no more than N = 10, while
+the cost counter is charged for N calls (§5).
+
+Switches (App. B hyperparameters): ``logprobs`` is ``processed`` (log_softmax(z / tau), the
+paper's assumption) or ``raw`` (log_softmax(z): vLLM's default, llama.cpp); ``logits`` is
+``bfloat16`` (rounded before the softmax, as deployed models serve) or ``float32``.
+
+Batches are right-padded and share the chat-template prefix: its KV cache is computed once
+and reused, so each prompt only runs its own ~6 suffix tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from nv.errors import NVError
+from nv.model import LoadedModel
+from nv.multinomial import multinomial_counts
+from nv.oracle.base import LOGPROB_MODES, Oracle, Samples, check_sampling
+from nv.prompts import PromptFormat
+
+LOGIT_PRECISIONS = ("bfloat16", "float32")
+
+
+def log_softmax(z: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable log-softmax in float64."""
+    z = np.asarray(z, dtype=np.float64)
+    z = z - z.max(axis=axis, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
+
+
+def _common_prefix(seqs: Sequence[list[int]]) -> int:
+    """Length of the longest common token prefix, leaving >= 1 own token per sequence."""
+    limit = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    k = 0
+    while k < limit and all(s[k] == first[k] for s in seqs):
+        k += 1
+    return k
+
+
+class Simulator(Oracle):
+    """Oracle backend over a local model (exact distributions, charged like a real API)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        template: bool = True,
+        logprobs: str = "processed",
+        logits: str = "bfloat16",
+        batch_size: int = 32,
+        prefix_reuse: bool = True,
+    ) -> None:
+        super().__init__()
+        if logprobs not in LOGPROB_MODES:
+            raise NVError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
+        if logits not in LOGIT_PRECISIONS:
+            raise NVError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
+        if batch_size < 1:
+            raise NVError(f"batch_size must be >= 1, got {batch_size}")
+        self.lm = lm
+        self.format = PromptFormat(lm.tokenizer, template)
+        self.logprob_mode = logprobs
+        self.logit_precision = logits
+        self.batch_size = batch_size
+        self.prefix_reuse = prefix_reuse
+        self._prefix: tuple[tuple[int, ...], object] | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.model.get_output_embeddings().weight.shape[0]
+
+    # -- white-box view -------------------------------------------------------------------
+
+    def logits(self, prompts: Sequence[str]) -> np.ndarray:
+        """Next-token logits z (len(prompts) x |V|, float64), rounded per ``logits`` switch."""
+        return np.concatenate([self._logits_batch(b) for b in self._batches(prompts)])
+
+    def log_probs(self, prompts: Sequence[str], temperature: float = 1.0) -> np.ndarray:
+        """Full log-probability rows y(tau) = log_softmax(z / tau) (white-box only)."""
+        return log_softmax(self.logits(prompts) / temperature)
+
+    # -- API view ---------------------------------------------------------------------------
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
+        check_sampling(n, temperature)
+        if len(seeds) != len(prompts):
+            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        out = []
+        for batch, batch_seeds in zip(self._batches(prompts), self._batches(seeds)):
+            for z, seed, prompt in zip(self._logits_batch(batch), batch_seeds, batch):
+                y_tau = log_softmax(z / temperature)
+                counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau))
+                idx = np.flatnonzero(counts)
+                y = y_tau if self.logprob_mode == "processed" else log_softmax(z)
+                out.append(Samples(idx, y[idx], counts[idx]))
+                self.cost.charge(self.format.prompt_tokens(prompt), calls=n)
+        return out
+
+    def argmax(self, prompts: Sequence[str]) -> list[Samples]:
+        """Temperature-0 calls; the log-prob reported is the T = 1 value log_softmax(z)."""
+        out = []
+        for batch in self._batches(prompts):
+            for z, prompt in zip(self._logits_batch(batch), batch):
+                top = int(np.argmax(z))
+                out.append(Samples(np.array([top]), log_softmax(z)[[top]], np.array([1])))
+                self.cost.charge(self.format.prompt_tokens(prompt), calls=1)
+        return out
+
+    def time_request(self, prompt: str) -> float:
+        """Wall time of one full forward pass of ``prompt`` (prefill + the one output token)."""
+        import torch
+
+        ids = self.format.ids(prompt)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.lm.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+            elapsed = time.perf_counter() - start
+        self.cost.charge(len(ids), calls=1)
+        return elapsed
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _batches(self, items: Sequence) -> Iterator[Sequence]:
+        for i in range(0, len(items), self.batch_size):
+            yield items[i : i + self.batch_size]
+
+    def _prefix_cache(self, prefix: tuple[int, ...]):
+        """Per-layer (keys, values) of the shared prefix, computed once per distinct prefix."""
+        import torch
+
+        if self._prefix is None or self._prefix[0] != prefix:
+            with torch.inference_mode():
+                cache = self.lm.model.base_model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+            self._prefix = (prefix, [(layer.keys, layer.values) for layer in cache.layers])
+        return self._prefix[1]
+
+    def _prefix_len(self, ids: list[list[int]]) -> int:
+        """Tokens shared by every prompt of the batch: the cached prefix if it still fits."""
+        if not self.prefix_reuse:
+            return 0
+        room = min(len(s) for s in ids) - 1
+        if self._prefix and len(self._prefix[0]) <= room:
+            cached = self._prefix[0]
+            if all(tuple(s[: len(cached)]) == cached for s in ids):
+                return len(cached)
+        return _common_prefix(ids) if len(ids) > 1 else 0
+
+    def _logits_batch(self, prompts: Sequence[str]) -> np.ndarray:
+        import torch
+        from transformers import DynamicCache
+
+        ids = [self.format.ids(p) for p in prompts]
+        P = self._prefix_len(ids)
+        suffix = [s[P:] for s in ids]
+        S = max(len(s) for s in suffix)
+        pad = self.lm.tokenizer.pad_token_id
+        input_ids = torch.tensor([s + [pad] * (S - len(s)) for s in suffix])
+        mask = torch.tensor([[1] * (P + len(s)) + [0] * (S - len(s)) for s in suffix])
+        kwargs = {}
+        if P:
+            cache = DynamicCache(config=self.lm.model.config)
+            for layer, (k, v) in enumerate(self._prefix_cache(tuple(ids[0][:P]))):
+                cache.update(k.expand(len(ids), -1, -1, -1), v.expand(len(ids), -1, -1, -1), layer)
+            kwargs["past_key_values"] = cache
+        with torch.inference_mode():
+            hidden = self.lm.model.base_model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=torch.arange(P, P + S).expand(len(ids), S),
+                use_cache=bool(P),
+                **kwargs,
+            ).last_hidden_state
+            last = hidden[torch.arange(len(ids)), torch.tensor([len(s) - 1 for s in suffix])]
+            z = self.lm.model.get_output_embeddings()(last)
+        if self.logit_precision == "bfloat16":
+            z = z.to(torch.bfloat16)
+        return z.float().numpy().astype(np.float64)

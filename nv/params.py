@@ -1,0 +1,95 @@
+"""params.yaml: loading and validation, with one-line errors naming the bad key.
+
+Each section is checked against ``SCHEMA``: every key present, of the right type, in range.
+Sections missing from the schema are passed through unchecked (later phases add theirs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from nv.errors import NVError
+
+Check = tuple[type | tuple[type, ...], Callable[[object], bool] | None, str]
+
+
+def _one_of(*options) -> Check:
+    return (str, lambda v: v in options, f"one of {options}")
+
+
+_POS_INT: Check = (int, lambda v: v >= 1, ">= 1")
+_NONNEG_INT: Check = (int, lambda v: v >= 0, ">= 0")
+_POS_NUM: Check = ((int, float), lambda v: v > 0, "> 0")
+_BOOL: Check = (bool, None, "")
+_STR: Check = (str, lambda v: len(v) > 0, "non-empty")
+
+SCHEMA: dict[str, dict[str, Check]] = {
+    "model": {
+        "spec": _STR,
+        "dtype": _one_of("bfloat16", "float32"),
+        "template": _BOOL,
+        "logprobs": _one_of("processed", "raw"),
+        "logits": _one_of("bfloat16", "float32"),
+        "batch_size": _POS_INT,
+    },
+    "model_card": {
+        "low_entropy_prompt": _STR,
+        "high_entropy_prompt": _STR,
+        "temperature": _POS_NUM,
+        "top_k": _POS_INT,
+    },
+}
+
+
+def check_section(name: str, section: object) -> dict:
+    """Validate one section against ``SCHEMA[name]``; return it unchanged."""
+    if not isinstance(section, dict):
+        raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
+    for key, (types, ok, rule) in SCHEMA.get(name, {}).items():
+        if key not in section:
+            raise NVError(f"params: missing key '{name}.{key}'")
+        value = section[key]
+        # bool is an int subclass: never accept it where a number is expected
+        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")
+        if not isinstance(value, types):
+            raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} {value!r}")
+        if ok is not None and not ok(value):
+            raise NVError(f"params: '{name}.{key}' must be {rule}, got {value!r}")
+    return section
+
+
+def _type_name(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in types)
+
+
+def load_params(path: str | Path = "params.yaml", sections: list[str] | None = None) -> dict:
+    """Read ``path``; validate and return the requested sections (all when None).
+
+    The top-level ``seed`` (int >= 0) seeds every random step.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise NVError(f"params file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise NVError(f"params file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise NVError(f"params file {path} must be a mapping of sections")
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise NVError(f"params: 'seed' must be an int >= 0, got {seed!r}")
+    names = sections if sections is not None else [k for k in raw if k != "seed"]
+    out: dict = {"seed": seed}
+    for name in names:
+        if name == "seed":
+            continue
+        if name not in raw:
+            raise NVError(f"params: missing section '{name}' in {path}")
+        out[name] = check_section(name, raw[name])
+    return out
