@@ -2,6 +2,7 @@
 
 Targets: pruning a 20,000 x 49,152 mask in <= 60 s and <= 4 GiB; each estimator on a
 5,000 x 8,000 matrix in <= 60 s. Run: python benchmarks/bench_phase1_algos.py
+(on a busy machine, OPENBLAS_NUM_THREADS=1 avoids threaded eigvalsh slowing down ~2x).
 """
 
 import resource

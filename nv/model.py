@@ -163,7 +163,7 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
         if folder.is_dir():
             try:
                 model, tokenizer = _from_pretrained(str(folder), None, dtype)
-            except (NVError, ValueError, RuntimeError) as exc:
+            except Exception as exc:  # any unreadable cache entry is rebuilt from the source
                 log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
                 shutil.rmtree(folder, ignore_errors=True)
         if model is None:

@@ -14,8 +14,8 @@ def multinomial_counts(rng: np.random.Generator, n: int, p: np.ndarray) -> np.nd
 
     For large ``n``: independent Poisson(lambda p_i) counts with lambda = n - 3 sqrt(n) (redrawn
     in the rare case their total S exceeds n), topped up with n - S categorical draws. Given S,
-    Poisson counts are Multinomial(S, p), so the sum is exactly Multinomial(n, p); it is ~2x faster
-    than ``Generator.multinomial``, whose cost is one binomial per category.
+    Poisson counts are Multinomial(S, p), so the sum is exactly Multinomial(n, p); it beats
+    ``Generator.multinomial`` (one binomial per category), see benchmarks/bench_simulator.py.
     """
     if n < 1:
         raise NVError(f"number of samples N must be >= 1, got {n}")
@@ -29,6 +29,6 @@ def multinomial_counts(rng: np.random.Generator, n: int, p: np.ndarray) -> np.nd
         if rest >= 0:
             break
     cdf = np.cumsum(p)
-    extra = np.searchsorted(cdf, rng.random(rest) * cdf[-1], side="right")
+    extra = np.searchsorted(cdf, np.sort(rng.random(rest)) * cdf[-1], side="right")
     counts += np.bincount(np.minimum(extra, len(p) - 1), minlength=len(p))
     return counts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 log = logging.getLogger(__name__)
 
@@ -44,3 +45,12 @@ class PromptFormat:
     def prompt_tokens(self, user: str) -> int:
         """System prompt + template + input tokens of one call (§5 cost metric, no caching)."""
         return len(self.ids(user))
+
+    @cached_property
+    def shared_prefix(self) -> tuple[int, ...]:
+        """Token ids every formatted prompt starts with (system prompt + template head)."""
+        a, b = self.ids("A"), self.ids("中")
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return tuple(a[:k])

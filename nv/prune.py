@@ -47,7 +47,7 @@ def greedy_prune(observed) -> Pruned:
 
     dead = np.iinfo(np.int32).max  # count given to dropped lines: stays above any live count
     row_obs = np.diff(csr.indptr).astype(np.int32)  # observed entries per row, in surviving columns
-    col_obs = np.bincount(csr.indices, minlength=n_cols).astype(np.int32)  # ... per column, in surviving rows
+    col_obs = np.bitwise_count(col_bits).sum(axis=1, dtype=np.int32)  # ... per column, in surviving rows
     while n_rows and n_cols:
         r = int(np.argmin(row_obs))
         c = int(np.argmin(col_obs))

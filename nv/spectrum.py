@@ -95,6 +95,8 @@ def paper_from_eigenvalues(
     A missing saddle or peak is reported as reason "no saddle" / "no peak", not raised.
     """
     lam = np.sort(np.asarray(lam, dtype=np.float64))[::-1]
+    if lam.ndim != 1 or not np.isfinite(lam).all():
+        raise NVError("eigenvalues must be a finite 1-D array")
     n = lam.size
     w = max(20, n // 50) if w is None else int(w)
     w_s = max(20, n // 100) if w_s is None else int(w_s)
@@ -118,9 +120,7 @@ def paper_from_eigenvalues(
         return fail("no peak")
     j_peak = int(after[0])
     diag["i_peak"] = j_peak + 1
-    k = np.arange(max(j_sad, 1), min(j_peak, n - 2) + 1)
-    if k.size == 0:
-        return fail("no peak")
+    k = np.arange(max(j_sad, 1), j_peak + 1)  # j_peak <= n - 2, so a_{k+1} exists
     neg_d2 = -(a[k + 1] - 2 * a[k] + a[k - 1])
     d_raw = int(k[np.argmax(neg_d2)]) + 1
     return SpectrumEstimate("paper", True, d_raw, snap(d_raw, g), g, None, "ok", diag)
@@ -137,21 +137,23 @@ def _gavish_donoho_count(sigma: np.ndarray, beta: float) -> int:
     return int(np.count_nonzero(sigma > omega * np.median(sigma)))
 
 
-def robust(Y, *, g=64, z_min=10.0, min_ratio=1.2, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
+def robust(Y, *, g=64, z_min=8.0, min_ratio=1.2, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
     """Scale-free drop detector on the row-centred spectrum (the project default).
 
-    Row-centring Y removes the per-row log-partition offset, leaving a signal of rank <= d;
-    it also makes rank(Y) <= min(D', |C|-1) =: n. With sigma_i = sqrt(lambda_i) of the centred
-    Gram matrix, l_i = log sigma_i and the log-gaps gap_k = l_k - l_{k+1}, a drop at k is
-    scored z_k = gap_k / max(median of the W gaps left of k, median of the W gaps right of k),
-    W = max(w_min, floor(w_frac n)); only k with >= min_side gaps on each side are eligible, so
-    the steep edges of a noise spectrum (few large gaps) never look isolated. The best k is
-    accepted, d_hat_raw = k, if z_k >= z_min and sigma_k / sigma_{k+1} >= min_ratio; d_hat is
-    the ceiling-snap to g (g = 64 keeps d = 576 and a centring loss of one, 575, on 576).
+    Row-centring Y removes the per-row log-partition offset and leaves a signal of rank <= d;
+    the centred matrix has rank <= n := min(D', |C| - 1). From sigma_i = sqrt(lambda_i) of its
+    float64 Gram matrix, l_i = log sigma_i and the log-gaps gap_k = l_k - l_{k+1}, a drop after
+    index k scores z_k = gap_k / max(median of the W gaps left of k, median of the W gaps right
+    of k), W = max(w_min, floor(w_frac * n)). Only k with >= min_side gaps on each side are
+    eligible, so the steep ends of a noise spectrum (runs of large gaps) never look isolated.
+    The best k is accepted as d_hat_raw if z_k >= z_min and sigma_k / sigma_{k+1} >= min_ratio,
+    and d_hat = g * ceil(k / g) (g = 64: a raw 575 or 576 both give 576).
     Otherwise the result is "not saturated" with lower_bound = the number of sigma_i above the
-    Gavish-Donoho threshold omega(beta) median(sigma), beta = aspect ratio: a median inflated by
-    signal only raises the threshold, so the bound stays conservative.
-    Everything depends on ratios of sigma_i, so d_hat is invariant to rescaling Y.
+    Gavish-Donoho threshold omega(beta) * median(sigma), beta = aspect ratio; signal in the
+    median only raises that threshold, so the bound stays conservative (<= n in any case).
+    Only ratios of sigma_i enter, so the result is invariant to rescaling Y.
+    Diagnostics: sigma, log_sigma, gaps (entry k-1 is gap_k), z (NaN where ineligible),
+    window W, k_best.
     """
     Y = _check(Y)
     Yc = Y - Y.mean(axis=1, keepdims=True)

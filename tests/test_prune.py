@@ -5,7 +5,7 @@ import pytest
 import scipy.sparse as sp
 
 from nv.errors import NVError
-from nv.prune import greedy_prune
+from nv.prune import _column_bitmap, greedy_prune
 
 
 def brute_force(mask):
@@ -72,3 +72,10 @@ def test_single_row():
 def test_rejects_dense_input():
     with pytest.raises(NVError):
         greedy_prune(np.ones((2, 2)))
+
+
+def test_column_bitmap_across_blocks():
+    mask = np.random.default_rng(3).random((37, 21)) < 0.4
+    bits = _column_bitmap(sp.csr_matrix(mask), block=8)
+    unpacked = np.unpackbits(bits, axis=1, count=37).astype(bool)
+    assert (unpacked == mask.T).all()

@@ -35,16 +35,6 @@ def log_softmax(z: np.ndarray, axis: int = -1) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=axis, keepdims=True))
 
 
-def _common_prefix(seqs: Sequence[list[int]]) -> int:
-    """Length of the longest common token prefix, leaving >= 1 own token per sequence."""
-    limit = min(len(s) for s in seqs) - 1
-    first = seqs[0]
-    k = 0
-    while k < limit and all(s[k] == first[k] for s in seqs):
-        k += 1
-    return k
-
-
 class Simulator(Oracle):
     """Oracle backend over a local model (exact distributions, charged like a real API)."""
 
@@ -70,7 +60,7 @@ class Simulator(Oracle):
         self.logit_precision = logits
         self.batch_size = batch_size
         self.prefix_reuse = prefix_reuse
-        self._prefix: tuple[tuple[int, ...], object] | None = None
+        self._prefix_kv: list | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -131,26 +121,23 @@ class Simulator(Oracle):
         for i in range(0, len(items), self.batch_size):
             yield items[i : i + self.batch_size]
 
-    def _prefix_cache(self, prefix: tuple[int, ...]):
-        """Per-layer (keys, values) of the shared prefix, computed once per distinct prefix."""
+    def _prefix_cache(self) -> list:
+        """Per-layer (keys, values) of the shared template prefix, computed once."""
         import torch
 
-        if self._prefix is None or self._prefix[0] != prefix:
+        if self._prefix_kv is None:
             with torch.inference_mode():
-                cache = self.lm.model.base_model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
-            self._prefix = (prefix, [(layer.keys, layer.values) for layer in cache.layers])
-        return self._prefix[1]
+                ids = torch.tensor([self.format.shared_prefix])
+                cache = self.lm.model.base_model(input_ids=ids, use_cache=True).past_key_values
+            self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return self._prefix_kv
 
     def _prefix_len(self, ids: list[list[int]]) -> int:
-        """Tokens shared by every prompt of the batch: the cached prefix if it still fits."""
-        if not self.prefix_reuse:
-            return 0
-        room = min(len(s) for s in ids) - 1
-        if self._prefix and len(self._prefix[0]) <= room:
-            cached = self._prefix[0]
-            if all(tuple(s[: len(cached)]) == cached for s in ids):
-                return len(cached)
-        return _common_prefix(ids) if len(ids) > 1 else 0
+        """Length of the template prefix if reused and every prompt extends it, else 0."""
+        prefix = self.format.shared_prefix if self.prefix_reuse and self.format.template else ()
+        if prefix and all(len(s) > len(prefix) and tuple(s[: len(prefix)]) == prefix for s in ids):
+            return len(prefix)
+        return 0
 
     def _logits_batch(self, prompts: Sequence[str]) -> np.ndarray:
         import torch
@@ -166,7 +153,7 @@ class Simulator(Oracle):
         kwargs = {}
         if P:
             cache = DynamicCache(config=self.lm.model.config)
-            for layer, (k, v) in enumerate(self._prefix_cache(tuple(ids[0][:P]))):
+            for layer, (k, v) in enumerate(self._prefix_cache()):
                 cache.update(k.expand(len(ids), -1, -1, -1), v.expand(len(ids), -1, -1, -1), layer)
             kwargs["past_key_values"] = cache
         with torch.inference_mode():

@@ -1,0 +1,83 @@
+"""Loading: the embedded model's true architecture, the cache, errors, prompt formatting."""
+
+import logging
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from nv.errors import NVError
+from nv.model import load_model, resolve
+from nv.prompts import PromptFormat
+
+
+def test_embedded_architecture_from_config(lm32):
+    a = lm32.arch
+    assert (a.d, a.L, a.vocab_size, a.n_heads, a.n_kv_heads, a.d_ffn) == (576, 30, 49152, 9, 3, 1536)
+    assert a.tied_embeddings and a.params == 134_515_008
+
+
+def test_embedded_facts_in_the_registry_match_the_model(lm32, root):
+    from nv.registry import embedded_facts, load_registry
+
+    facts = embedded_facts(root / "data")
+    assert (facts["d"], facts["L"], facts["vocab_size"], facts["params"]) == (576, 30, 49152, lm32.arch.params)
+    table = load_registry(root / "data")
+    assert len(table) == 39 and (table.role == "development").sum() == 7
+    row = table.set_index("model_id").loc["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert (row.d, row.L, row.vocab_size) == (576, 30, 49152)
+
+
+def test_chat_template_uses_the_default_system_prompt(lm32):
+    text = PromptFormat(lm32.tokenizer, template=True).text("abc")
+    assert "You are a helpful AI assistant named SmolLM" in text and text.endswith("assistant\n")
+    assert PromptFormat(lm32.tokenizer, template=False).text("abc") == "abc"
+
+
+def test_model_without_chat_template_falls_back_to_raw(lm32, caplog, monkeypatch):
+    monkeypatch.setattr(lm32.tokenizer, "chat_template", None)
+    with caplog.at_level(logging.WARNING):
+        fmt = PromptFormat(lm32.tokenizer, template=True)
+    assert not fmt.template and fmt.text("xyz") == "xyz"
+    assert "no chat template" in caplog.text
+
+
+def test_corrupt_cache_is_rebuilt(tmp_path):
+    first = load_model("embedded", dtype="float32", cache_dir=tmp_path)
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    again = load_model("embedded", dtype="float32", cache_dir=tmp_path)
+    assert again.arch == first.arch
+    assert (folder / "model.safetensors").stat().st_size > 10**6
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no-such-org/no-such-model", "cannot load model 'no-such-org/no-such-model'"),
+        ("/nonexistent/model.gguf", "GGUF file not found"),
+    ],
+)
+def test_unknown_model_is_a_one_line_error(spec, message):
+    with pytest.raises(NVError, match=message) as err:
+        resolve(spec) if spec.endswith(".gguf") else load_model(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_dtype_is_refused():
+    with pytest.raises(NVError, match="dtype must be one of"):
+        load_model("embedded", dtype="float16")
+
+
+def test_cli_reports_unknown_model_without_traceback(tmp_path, root):
+    params = (root / "params.yaml").read_text().replace("spec: embedded", "spec: no-such-org/no-such-model")
+    (tmp_path / "params.yaml").write_text(params)
+    shutil.copytree(root / "notebooks", tmp_path / "notebooks")
+    proc = subprocess.run(
+        [sys.executable, "-m", "nv.stage", "model_card"], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and "no-such-org/no-such-model" in lines[-1]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,129 @@
+"""The simulator backend on the real embedded model: log-prob semantics, sampling law, cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from nv.errors import NVError
+from nv.oracle import Simulator
+from nv.oracle.simulator import log_softmax
+
+PROMPTS = ["héllo wörld", "日本語のテ", "🙂🙃😀😁😂", "abcde", "مرحبا بكم", "⠓ꦂ🜁ᚠ∰"]
+
+
+def plain_logits(lm, fmt, prompts) -> np.ndarray:
+    """Reference: one unbatched full forward pass per prompt, no prefix reuse."""
+    rows = []
+    with torch.inference_mode():
+        for p in prompts:
+            rows.append(lm.model(input_ids=torch.tensor([fmt.ids(p)])).logits[0, -1].double().numpy())
+    return np.array(rows)
+
+
+@pytest.fixture(scope="module")
+def reference(lm32):
+    sim = Simulator(lm32, logits="float32")
+    return plain_logits(lm32, sim.format, PROMPTS)
+
+
+def test_prefix_reuse_matches_plain_forward(lm32, reference):
+    for reuse in (True, False):
+        sim = Simulator(lm32, logits="float32", batch_size=4, prefix_reuse=reuse)
+        assert np.abs(sim.logits(PROMPTS) - reference).max() < 2e-4
+        assert (sim._prefix_kv is not None) == reuse
+    prefix = sim.format.shared_prefix
+    assert len(prefix) >= 20 and lm32.tokenizer.decode(prefix).endswith("user\n")  # system prompt + template head
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_sampled_logprobs_are_log_softmax_of_the_model(lm32, reference, mode):
+    tau = 2.0
+    sim = Simulator(lm32, logits="float32", logprobs=mode)
+    samples = sim.sample(PROMPTS, 5000, tau, seeds=[(1, q) for q in range(len(PROMPTS))])
+    for z, s in zip(reference, samples):
+        expected = log_softmax(z / tau) if mode == "processed" else log_softmax(z)
+        assert s.n == 5000
+        assert np.abs(s.logprobs - expected[s.token_ids]).max() < 2e-4
+
+
+def test_bfloat16_logits_are_rounded_before_the_softmax(lm32, reference):
+    sim = Simulator(lm32, logits="bfloat16")
+    z = sim.logits(PROMPTS)
+    assert np.array_equal(z, torch.tensor(z).to(torch.bfloat16).double().numpy())  # representable in bf16
+    ulp = np.abs(reference) * 2.0**-7 + 1e-6
+    assert np.all(np.abs(z - reference) <= ulp)
+    assert np.abs(z - reference).max() > 1e-4  # and really rounded
+
+
+def test_token_frequencies_follow_the_distribution(lm32, reference):
+    """Chi-square goodness of fit of N = 2e5 draws (the Poisson + top-up path) at a fixed seed."""
+    tau, n = 2.0, 200_000
+    sim = Simulator(lm32, logits="float32")
+    (s,) = sim.sample(PROMPTS[:1], n, tau, seeds=[7])
+    p = np.exp(log_softmax(reference[0] / tau))
+    observed = np.zeros_like(p)
+    observed[s.token_ids] = s.counts
+    order = np.argsort(p)[::-1]
+    big = order[p[order] * n >= 20]  # bins with enough expected counts; the rest pooled
+    obs = np.append(observed[big], n - observed[big].sum())
+    exp = np.append(p[big] * n, n - p[big].sum() * n)
+    assert len(big) > 500
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_same_seed_same_samples(lm32):
+    sim = Simulator(lm32, logits="float32")
+    a = sim.sample(PROMPTS[:2], 10**6, 2.0, seeds=[(0, 0), (0, 1)])
+    b = sim.sample(PROMPTS[:2], 10**6, 2.0, seeds=[(0, 0), (0, 1)])
+    for x, y in zip(a, b):
+        assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.counts, y.counts)
+        assert x.n == 10**6
+
+
+def test_cost_follows_the_paper_formula(lm32):
+    """(system prompt + input + output tokens) x samples, counted independently via the chat template."""
+    sim = Simulator(lm32, logits="float32")
+    n = 1000
+    sim.sample(PROMPTS, n, 2.0, seeds=list(range(len(PROMPTS))))
+    sim.argmax(PROMPTS[:2])
+    tok = lm32.tokenizer
+    lengths = [
+        len(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)["input_ids"])
+        for p in PROMPTS
+    ]
+    expected = sum((ell + 1) * n for ell in lengths) + sum(ell + 1 for ell in lengths[:2])
+    assert sim.cost.calls == n * len(PROMPTS) + 2
+    assert sim.cost.tokens == expected
+    assert sim.cost.output_tokens == n * len(PROMPTS) + 2
+
+
+def test_argmax_reports_the_temperature_one_logprob(lm32, reference):
+    sim = Simulator(lm32, logits="float32")
+    for z, s in zip(reference, sim.argmax(PROMPTS)):
+        assert s.token_ids[0] == np.argmax(z)
+        assert abs(s.logprobs[0] - log_softmax(z).max()) < 2e-4
+
+
+def test_time_request_is_positive_and_charged(lm32):
+    sim = Simulator(lm32)
+    assert sim.time_request("abcde") > 0
+    assert sim.cost.calls == 1
+
+
+@pytest.mark.parametrize(
+    "n, tau, message", [(10, 0.0, "temperature"), (10, -1.0, "temperature"), (0, 1.0, "N must"), (2.5, 1.0, "N must")]
+)
+def test_bad_sampling_requests_are_refused(lm32, n, tau, message):
+    sim = Simulator(lm32)
+    with pytest.raises(NVError, match=message):
+        sim.sample(PROMPTS[:1], n, tau, seeds=[0])
+    assert sim.cost.calls == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"logprobs": "topk"}, {"logits": "fp8"}, {"batch_size": 0}])
+def test_bad_switches_are_refused(lm32, kwargs):
+    with pytest.raises(NVError):
+        Simulator(lm32, **kwargs)
