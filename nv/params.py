@@ -25,8 +25,12 @@ _NONNEG_INT: Check = (int, lambda v: v >= 0, ">= 0")
 _POS_NUM: Check = ((int, float), lambda v: v > 0, "> 0")
 _BOOL: Check = (bool, None, "")
 _STR: Check = (str, lambda v: len(v) > 0, "non-empty")
+_PROB: Check = ((int, float), lambda v: 0 < v < 1, "in (0, 1)")
+_OPT_POS_INT: Check = ((int, type(None)), lambda v: v is None or v >= 1, ">= 1 or null")
+_BUDGETS: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
+                   "a non-empty list of ints >= 1")
 
-SCHEMA: dict[str, dict[str, Check]] = {
+SCHEMA: dict[str, dict] = {
     "model": {
         "spec": _STR,
         "dtype": _one_of("bfloat16", "float32"),
@@ -41,17 +45,46 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "temperature": _POS_NUM,
         "top_k": _POS_INT,
     },
+    "search": {
+        "D": _POS_INT,
+        "rounds": _POS_INT,
+        "batch_size": _POS_INT,
+        "explore_rounds": _POS_INT,
+        "threshold": _PROB,
+        "length": _POS_INT,
+    },
+    "sampling": {"N": _POS_INT, "temperature": _POS_NUM, "chunk": _POS_INT},
+    "spectrum": {
+        "method": _one_of("robust", "paper"),
+        "whitebox_prompts": _POS_INT,
+        "paper": {"p": _PROB, "g": _POS_INT, "w": _OPT_POS_INT, "w_s": _OPT_POS_INT, "lam_sad": _POS_NUM, "lam_peak": _POS_NUM},
+        "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
+    },
+    "sweep": {"budgets": _BUDGETS},
 }
 
 
 def check_section(name: str, section: object) -> dict:
-    """Validate one section against ``SCHEMA[name]``; return it unchanged."""
+    """Validate one section (recursively) against ``SCHEMA[name]``; return it unchanged."""
     if not isinstance(section, dict):
         raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
-    for key, (types, ok, rule) in SCHEMA.get(name, {}).items():
+    return _check(name, section, SCHEMA.get(name, {}))
+
+
+def _check(name: str, section: dict, schema: dict) -> dict:
+    unknown = sorted(set(section) - set(schema)) if schema else []
+    if unknown:
+        raise NVError(f"params: unknown key '{name}.{unknown[0]}' (known: {', '.join(schema)})")
+    for key, rule_ in schema.items():
         if key not in section:
             raise NVError(f"params: missing key '{name}.{key}'")
         value = section[key]
+        if isinstance(rule_, dict):
+            if not isinstance(value, dict):
+                raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(value).__name__}")
+            _check(f"{name}.{key}", value, rule_)
+            continue
+        types, ok, rule = rule_
         # bool is an int subclass: never accept it where a number is expected
         if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
             raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")

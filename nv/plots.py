@@ -48,3 +48,125 @@ def temperature_entropy(rows: dict[str, np.ndarray], temperatures: tuple[float, 
     fig.suptitle("Next-token distributions without and with temperature scaling (shaded: top-k tokens)")
     fig.tight_layout()
     return fig
+
+
+def prompt_search(argmax_prob: np.ndarray, D: int):
+    """Argmax probability (T = 0 call) of every evaluated prompt, in evaluation order."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    cut = np.sort(argmax_prob)[D - 1]
+    ax.semilogy(argmax_prob, ".", ms=2, color="0.5", label="evaluated prompt")
+    ax.semilogy(np.minimum.accumulate(argmax_prob), color="C3", label="best so far")
+    ax.axhline(cut, color="C0", ls="--", label=f"kept: the D = {D} lowest (<= {cut:.3g})")
+    ax.set_xlabel("evaluation index")
+    ax.set_ylabel("argmax probability (T = 1 value)")
+    ax.set_title("High-entropy prompt search (App. B.1.1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def distinct_tokens(distinct_per_prompt: np.ndarray, N: int, vocab_size: int):
+    """Histogram of |S_q|, the distinct tokens sampled per prompt (Alg. 1 line 3)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.hist(distinct_per_prompt, bins=50, color="C0")
+    ax.set_xlabel(f"distinct tokens sampled per prompt |S_q| (of |V| = {vocab_size:,})")
+    ax.set_ylabel("prompts")
+    ax.set_title(f"Token coverage at N = {N:,} samples per prompt")
+    fig.tight_layout()
+    return fig
+
+
+def coverage(coverage_per_token: np.ndarray, D: int, D_prime: int, C: int):
+    """Prompts observing each token (sorted) and the common set kept by greedy pruning."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(np.arange(1, len(coverage_per_token) + 1), np.sort(coverage_per_token)[::-1] / D, color="C0")
+    ax.axvline(C, color="C3", ls="--", label=f"common set |C| = {C:,} over D' = {D_prime:,} of D = {D:,} prompts")
+    ax.set_xscale("log")
+    ax.set_xlabel("token (sorted by coverage)")
+    ax.set_ylabel("fraction of prompts observing it")
+    ax.set_title("Greedy NaN pruning (App. B.1.2)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _mark_truth(ax, d_true):
+    if d_true:
+        ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
+
+
+def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | None):
+    """The spectrum comparison figure: (a) full-logit singular values (white-box), (b) common-set
+    eigenvalues, (c) a_i = arctan(lambda_i), (d) slope s_tilde with saddle, peak and AOI; the
+    robust estimator's row-centred singular values and its d_hat are overlaid in (b)."""
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    a, b, c, d = axes.ravel()
+    if full_sigma is not None:
+        a.semilogy(np.arange(1, len(full_sigma) + 1), full_sigma, color="C2")
+        _mark_truth(a, d_true)
+        a.legend(fontsize=8)
+    a.set_title("(a) full log-prob matrix, white-box (row-centred)")
+    a.set_xlabel("index i")
+    a.set_ylabel("singular value")
+    lam = paper.diagnostics["lambda"]
+    b.semilogy(np.arange(1, len(lam) + 1), np.maximum(lam, 1e-300), color="C0", label="eigenvalues of G = Y Y^T")
+    sig = robust.diagnostics["sigma"]
+    b.semilogy(np.arange(1, len(sig) + 1), sig**2, color="C1", lw=1, label="row-centred sigma^2 (robust)")
+    if robust.saturated:
+        b.axvline(robust.d_hat_raw, color="C1", ls="--", label=f"robust d_hat = {robust.d_hat_raw}")
+    else:
+        b.axvline(robust.lower_bound, color="C1", ls="-.", label=f"robust: not saturated, d >= {robust.lower_bound}")
+    _mark_truth(b, d_true)
+    b.set_title("(b) common-set spectrum")
+    b.set_xlabel("index i")
+    b.set_ylabel("eigenvalue lambda_i")
+    b.legend(fontsize=8)
+    av = paper.diagnostics["a"]
+    c.plot(np.arange(1, len(av) + 1), av, color="C0")
+    c.axhline(np.arctan(np.pi), color="0.5", ls="--", lw=0.8, label="arctan(pi), arctan(pi/2)")
+    c.axhline(np.arctan(np.pi / 2), color="0.5", ls="--", lw=0.8)
+    _mark_truth(c, d_true)
+    c.set_title("(c) arctan-transformed spectrum a_i")
+    c.set_xlabel("index i")
+    c.set_ylabel("a_i = arctan(lambda_i)")
+    c.legend(fontsize=8)
+    s = paper.diagnostics["s_tilde"]
+    d.plot(np.arange(1, len(s) + 1), s, color="C0", label="smoothed slope s_tilde")
+    i_sad, i_peak = paper.diagnostics.get("i_sad"), paper.diagnostics.get("i_peak")
+    if i_sad is not None:
+        d.axvline(i_sad, color="C4", ls=":", label=f"saddle i_sad = {i_sad}")
+    if i_sad is not None and i_peak is not None:
+        d.axvline(i_peak, color="C5", ls=":", label=f"peak i_peak = {i_peak}")
+        d.axvspan(i_sad, i_peak, color="C4", alpha=0.1, label="AOI")
+    if paper.d_hat_raw is not None:
+        d.axvline(paper.d_hat_raw, color="C3", ls="--", label=f"paper d_hat = {paper.d_hat_raw}")
+    _mark_truth(d, d_true)
+    d.set_title(f"(d) windowed slope; paper detector: {paper.reason}")
+    d.set_xlabel("index i")
+    d.set_ylabel("d a_i / d i")
+    d.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def budget_sweep(table, d_true: int | None):
+    """Relative error of d_hat (raw) versus token budget for both estimators; failures marked."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for method, color in (("robust", "C1"), ("paper", "C0")):
+        rows = table[table.method == method]
+        ok = rows[rows.d_hat_raw.notna()]
+        ax.plot(ok.tokens, ok.rel_error * 100, "o-", color=color, label=f"{method}: d_hat")
+        fail = rows[rows.d_hat_raw.isna()]
+        for _, r in fail.iterrows():
+            ax.plot(r.tokens, 100, "x", color=color, ms=10)
+            ax.annotate(r.reason, (r.tokens, 100), textcoords="offset points", xytext=(0, 6 if method == "paper" else -14),
+                        ha="center", fontsize=7, color=color)
+    ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
+    ax.set_xscale("log")
+    ax.set_ylim(-5, 115)
+    ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
+    ax.set_ylabel(f"relative error of d_hat (%), true d = {d_true}")
+    ax.set_title("Hidden-dimension error versus budget (x: no estimate)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

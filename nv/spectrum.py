@@ -137,7 +137,7 @@ def _gavish_donoho_count(sigma: np.ndarray, beta: float) -> int:
     return int(np.count_nonzero(sigma > omega * np.median(sigma)))
 
 
-def robust(Y, *, g=64, z_min=8.0, min_ratio=1.2, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
+def robust(Y, *, g=64, z_min=8.0, min_ratio=1.05, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
     """Scale-free drop detector on the row-centred spectrum (the project default).
 
     Row-centring Y removes the per-row log-partition offset and leaves a signal of rank <= d;

@@ -43,11 +43,13 @@ class Cost:
 
 @dataclass(frozen=True)
 class Samples:
-    """What N calls on one prompt return: distinct tokens, their log-probs y_q^(i), counts."""
+    """What N calls on one prompt return: distinct tokens, their log-probs y_q^(i), counts,
+    and the prompt tokens (system prompt + template + input) each call was charged for."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     counts: np.ndarray
+    prompt_tokens: int
 
     @property
     def n(self) -> int:

@@ -62,6 +62,14 @@ class Simulator(Oracle):
         self.prefix_reuse = prefix_reuse
         self._prefix_kv: list | None = None
 
+    @classmethod
+    def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
+        """A simulator configured by params.yaml's ``model`` section (loads the model if needed)."""
+        from nv.model import load_model
+
+        lm = lm or load_model(model["spec"], dtype=model["dtype"])
+        return cls(lm, model["template"], model["logprobs"], model["logits"], model["batch_size"])
+
     @property
     def vocab_size(self) -> int:
         return self.lm.model.get_output_embeddings().weight.shape[0]
@@ -89,8 +97,9 @@ class Simulator(Oracle):
                 counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau))
                 idx = np.flatnonzero(counts)
                 y = y_tau if self.logprob_mode == "processed" else log_softmax(z)
-                out.append(Samples(idx, y[idx], counts[idx]))
-                self.cost.charge(self.format.prompt_tokens(prompt), calls=n)
+                ell = self.format.prompt_tokens(prompt)
+                out.append(Samples(idx, y[idx], counts[idx], ell))
+                self.cost.charge(ell, calls=n)
         return out
 
     def argmax(self, prompts: Sequence[str]) -> list[Samples]:
@@ -99,8 +108,9 @@ class Simulator(Oracle):
         for batch in self._batches(prompts):
             for z, prompt in zip(self._logits_batch(batch), batch):
                 top = int(np.argmax(z))
-                out.append(Samples(np.array([top]), log_softmax(z)[[top]], np.array([1])))
-                self.cost.charge(self.format.prompt_tokens(prompt), calls=1)
+                ell = self.format.prompt_tokens(prompt)
+                out.append(Samples(np.array([top]), log_softmax(z)[[top]], np.array([1]), ell))
+                self.cost.charge(ell, calls=1)
         return out
 
     def time_request(self, prompt: str) -> float:

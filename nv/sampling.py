@@ -1,0 +1,165 @@
+"""Alg. 1 stage 1: N samples per prompt at temperature tau into the sparse D x |V| matrix Y_hat.
+
+Work is checkpointed in shards of ``chunk`` prompts (atomic writes), in a folder keyed by
+everything that determines the draws; an interrupted run resumes from the finished shards and
+loses no finished prompt. Prompt q is seeded with (seed, q), so a resumed run draws exactly
+what an uninterrupted one would. The result is stored sparse (CSR arrays per shard), never as
+a dense D x |V| array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+from tqdm.auto import tqdm
+
+from nv.errors import NVError
+from nv.oracle.base import Oracle
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class SampledMatrix:
+    """Y_hat (observed log-probs y_q^(i), CSR float32) with the sample counts and per-prompt cost."""
+
+    logprobs: sp.csr_matrix
+    counts: sp.csr_matrix
+    prompt_tokens: np.ndarray
+    N: int
+    temperature: float
+
+    @property
+    def D(self) -> int:
+        return self.logprobs.shape[0]
+
+    def tokens(self, N: int | None = None) -> int:
+        """§5 cost of N samples per prompt: sum_q (prompt tokens_q + 1 output token) * N."""
+        return int((self.prompt_tokens.astype(np.int64) + 1).sum() * (N or self.N))
+
+    def calls(self, N: int | None = None) -> int:
+        return self.D * (N or self.N)
+
+    def budget(self) -> dict:
+        """D, N, tau and the §5 cost of this matrix (what a report needs besides the estimate)."""
+        return {"D": self.D, "N": self.N, "temperature": self.temperature, "tokens": self.tokens(), "calls": self.calls()}
+
+    def subsample(self, N: int, seed: int) -> SampledMatrix:
+        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning)."""
+        if not 1 <= N <= self.N:
+            raise NVError(f"sub-budget N must be in [1, {self.N}], got {N}")
+        if N == self.N:
+            return self
+        rng = np.random.default_rng(seed)
+        indptr = self.counts.indptr
+        drawn = np.empty_like(self.counts.data)
+        for q in range(self.D):
+            row = slice(indptr[q], indptr[q + 1])
+            drawn[row] = rng.multivariate_hypergeometric(self.counts.data[row], N)
+        keep = drawn > 0
+        new_indptr = np.concatenate([[0], np.cumsum(keep)])[indptr]
+        indices = self.counts.indices[keep]
+        counts = sp.csr_matrix((drawn[keep], indices, new_indptr), shape=self.counts.shape)
+        logprobs = sp.csr_matrix((self.logprobs.data[keep], indices, new_indptr), shape=self.counts.shape)
+        return SampledMatrix(logprobs, counts, self.prompt_tokens, N, self.temperature)
+
+
+def _key(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _save_shard(path: Path, samples, vocab_size: int) -> None:
+    indptr = np.zeros(len(samples) + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(s.token_ids) for s in samples])
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        indptr=indptr,
+        indices=np.concatenate([s.token_ids for s in samples]).astype(np.int32),
+        logprobs=np.concatenate([s.logprobs for s in samples]).astype(np.float32),
+        counts=np.concatenate([s.counts for s in samples]).astype(np.int32),
+        prompt_tokens=np.array([s.prompt_tokens for s in samples], dtype=np.int32),
+        vocab_size=vocab_size,
+    )
+    os.replace(tmp, path)
+
+
+def _shard_ok(path: Path, rows: int) -> bool:
+    try:
+        with np.load(path) as z:
+            return len(z["indptr"]) == rows + 1 and len(z["indices"]) == z["indptr"][-1]
+    except Exception:  # a torn or corrupt shard is recomputed
+        return False
+
+
+def collect(
+    oracle: Oracle,
+    prompts: list[str],
+    N: int,
+    temperature: float,
+    seed: int,
+    out_dir: str | Path,
+    vocab_size: int,
+    checkpoint_root: str | Path,
+    identity: dict,
+    chunk: int = 100,
+    progress: bool = True,
+) -> Path:
+    """Sample every prompt (Alg. 1 lines 1-4) into shards under ``out_dir``; return ``out_dir``.
+
+    ``identity`` names the target (model spec and oracle switches): with the prompts, N, tau and
+    seed it keys the checkpoint folder under ``checkpoint_root``, so stale work is never reused.
+    """
+    meta = {"N": N, "temperature": temperature, "seed": seed, "chunk": chunk, "D": len(prompts), "vocab_size": vocab_size,
+            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), **identity}
+    work = Path(checkpoint_root) / f"sampling-{_key(meta)}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    starts = range(0, len(prompts), chunk)
+    todo = [s for s in starts if not _shard_ok(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]))]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
+               desc=f"sampling N={N:g}", unit="prompt", disable=not progress)
+    for s in todo:
+        batch = prompts[s : s + chunk]
+        samples = oracle.sample(batch, N, temperature, seeds=[(seed, q) for q in range(s, s + len(batch))])
+        _save_shard(work / f"shard-{s:07d}.npz", samples, vocab_size)
+        bar.update(len(batch))
+    bar.close()
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(work), str(out_dir))
+    return out_dir
+
+
+def load_samples(folder: str | Path) -> SampledMatrix:
+    """Reassemble Y_hat from the shards written by ``collect``."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        raise NVError(f"no sampling manifest in {folder}: run the sampling stage first") from None
+    parts = {k: [] for k in ("indptr", "indices", "logprobs", "counts", "prompt_tokens")}
+    offset = 0
+    for s in range(0, meta["D"], meta["chunk"]):
+        path = folder / f"shard-{s:07d}.npz"
+        if not _shard_ok(path, min(meta["chunk"], meta["D"] - s)):
+            raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
+        with np.load(path) as z:
+            parts["indptr"].append(z["indptr"][(1 if s else 0) :] + offset)
+            offset += int(z["indptr"][-1])
+            for k in ("indices", "logprobs", "counts", "prompt_tokens"):
+                parts[k].append(z[k])
+    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+    shape = (meta["D"], meta["vocab_size"])
+    logprobs = sp.csr_matrix((arrays["logprobs"], arrays["indices"], arrays["indptr"]), shape=shape)
+    counts = sp.csr_matrix((arrays["counts"], arrays["indices"], arrays["indptr"]), shape=shape)
+    return SampledMatrix(logprobs, counts, arrays["prompt_tokens"], meta["N"], meta["temperature"])
