@@ -46,6 +46,7 @@ SCHEMA: dict[str, dict] = {
         "top_k": _POS_INT,
     },
     "search": {
+        "mode": _one_of("paper", "diverse"),
         "D": _POS_INT,
         "rounds": _POS_INT,
         "batch_size": _POS_INT,

@@ -6,12 +6,16 @@ model except through the oracle passed in.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from nv.plots import save, spectrum_panels
 from nv.prune import Pruned, greedy_prune
-from nv.sampling import SampledMatrix
+from nv.sampling import SampledMatrix, collect, load_samples
+from nv.search import search_prompts
 from nv.spectrum import SpectrumEstimate, estimate, snap
 
 
@@ -82,3 +86,27 @@ def report(
         "sampling_tokens": budget["tokens"],
         "search_tokens": int(search_cost["tokens"]),
     }
+
+
+def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None = None, progress: bool = True) -> dict:
+    """The whole phase on any oracle: search, sampling (checkpointed), pruning, spectrum.
+
+    Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report.
+    ``d_true`` (white-box knowledge) is used for the error columns only.
+    """
+    search, sampling, spectrum = params["search"], params["sampling"], params["spectrum"]
+    result = search_prompts(oracle, search["D"], search["rounds"], search["batch_size"], search["explore_rounds"],
+                            search["threshold"], seed=params["seed"], length=search["length"], mode=search["mode"],
+                            progress=progress)
+    search_cost = oracle.cost.as_dict()
+    (out_dir / "prompts.json").write_text(json.dumps(result.kept, ensure_ascii=False, indent=0) + "\n")
+    samples_dir = collect(oracle, result.kept, sampling["N"], sampling["temperature"], params["seed"], out_dir / "samples",
+                          oracle.vocab_size, checkpoint_root=out_dir / ".checkpoints",
+                          identity={"model": params["model"]}, chunk=sampling["chunk"], progress=progress)
+    sampled = load_samples(samples_dir)
+    common = common_set(sampled)
+    estimates = estimate_both(common.Y, spectrum)
+    record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost)
+    (out_dir / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
+    return record

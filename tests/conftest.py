@@ -23,3 +23,24 @@ def lm32():
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+TINY = {
+    "search": {"D": 120, "rounds": 2, "batch_size": 96, "explore_rounds": 1},
+    "sampling": {"N": 5000, "chunk": 50},
+    "spectrum": {"whitebox_prompts": 60},
+    "sweep": {"budgets": [2000, 5000]},
+    "model": {"batch_size": 48},
+}
+
+
+def write_tiny_params(root: Path, dest: Path) -> Path:
+    """The shipped params.yaml with the phase-1 sections shrunk to seconds of work."""
+    import yaml
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in TINY.items():
+        params[section].update(values)
+    path = dest / "params.yaml"
+    path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    return path

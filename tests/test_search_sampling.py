@@ -1,0 +1,98 @@
+"""Prompt search and checkpointed sampling on the real embedded model (tiny sizes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nv.errors import NVError
+from nv.oracle import Simulator
+from nv.sampling import collect, load_samples
+from nv.search import ALPHABETS, search_prompts
+
+
+@pytest.fixture(scope="module")
+def sim(lm32):
+    return Simulator(lm32, batch_size=64)
+
+
+def test_search_keeps_the_lowest_argmax_prompts_and_charges_every_call(sim):
+    before = sim.cost.calls
+    res = search_prompts(sim, D=50, rounds=3, batch_size=40, explore_rounds=2, threshold=1e-9, seed=3, progress=False)
+    assert len(res.prompts) == len(set(res.prompts)) == 120  # each string evaluated once
+    assert sim.cost.calls - before == 120  # one temperature-0 call per candidate
+    assert all(len(p) == 5 for p in res.prompts)
+    kept = np.array([res.argmax_prob[res.prompts.index(p)] for p in res.kept])
+    assert len(res.kept) == 50 and np.all(np.diff(kept) >= 0)
+    assert kept[-1] <= np.sort(res.argmax_prob)[50]
+    assert res.rounds_explored == 2  # threshold never reached: all exploration rounds ran
+    # the refinement round: one-character variants of the best prompt after round 2
+    best = res.prompts[int(np.argmin(res.argmax_prob[:80]))]
+    assert all(sum(a != b for a, b in zip(p, best)) <= 1 for p in res.prompts[80:])
+
+
+def test_search_stops_exploring_below_the_threshold(sim):
+    res = search_prompts(sim, D=10, rounds=3, batch_size=20, explore_rounds=3, threshold=0.99, seed=1, progress=False)
+    assert res.rounds_explored == 1
+
+
+def test_search_refuses_impossible_sizes(sim):
+    with pytest.raises(NVError, match="< D"):
+        search_prompts(sim, D=100, rounds=1, batch_size=10, explore_rounds=1, threshold=0.1, seed=0)
+    assert len(ALPHABETS) >= 7
+
+
+class Interrupting(Simulator):
+    """The real simulator, interrupted (as by Ctrl-C) after ``after`` sample() calls."""
+
+    def __init__(self, lm, after):
+        super().__init__(lm, batch_size=64)
+        self.after = after
+
+    def sample(self, *args, **kwargs):
+        if self.after == 0:
+            raise KeyboardInterrupt
+        self.after -= 1
+        return super().sample(*args, **kwargs)
+
+
+def test_interrupted_sampling_resumes_without_losing_finished_prompts(lm32, tmp_path):
+    prompts = [f"{a}{b}xyz" for a in "ab" for b in "cdefghijklmnopq"][:25]
+    args = dict(N=3000, temperature=2.0, seed=5, vocab_size=49152, identity={"model": "embedded"}, chunk=10)
+    broken = Interrupting(lm32, after=2)
+    with pytest.raises(KeyboardInterrupt):
+        collect(broken, prompts, out_dir=tmp_path / "out", checkpoint_root=tmp_path / "ck", progress=False, **args)
+    resumed = Simulator(lm32, batch_size=64)
+    collect(resumed, prompts, out_dir=tmp_path / "out", checkpoint_root=tmp_path / "ck", progress=False, **args)
+    assert resumed.cost.calls == 5 * 3000  # only the 5 prompts of the unfinished shard were sampled again
+    fresh = Simulator(lm32, batch_size=64)
+    collect(fresh, prompts, out_dir=tmp_path / "ref", checkpoint_root=tmp_path / "ck2", progress=False, **args)
+    a, b = load_samples(tmp_path / "out"), load_samples(tmp_path / "ref")
+    assert (a.counts != b.counts).nnz == 0 and np.array_equal(a.logprobs.data, b.logprobs.data)
+    assert a.D == 25 and np.all(np.asarray(a.counts.sum(axis=1)).ravel() == 3000)
+
+
+def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path):
+    prompts = ["abcde", "fghij", "klmno"]
+    sim = Simulator(lm32)
+    kw = dict(N=2000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=2, progress=False)
+    out = collect(sim, prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    (out / "shard-0000002.npz").write_bytes(b"torn")
+    with pytest.raises(NVError, match="missing or corrupt"):
+        load_samples(out)
+    with pytest.raises(NVError, match="no sampling manifest"):
+        load_samples(tmp_path / "nothing")
+
+
+def test_subsample_is_the_first_N_calls(lm32, tmp_path):
+    sim = Simulator(lm32)
+    kw = dict(N=20000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=10, progress=False)
+    S = load_samples(collect(sim, ["abcde", "⠓ꦂ🜁ᚠ∰"], out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw))
+    sub = S.subsample(2000, seed=1)
+    assert np.all(np.asarray(sub.counts.sum(axis=1)).ravel() == 2000)
+    assert (sub.counts > S.counts).nnz == 0  # never more draws of a token than in the full run
+    full = {(q, t): y for q, t, y in zip(*S.logprobs.nonzero(), S.logprobs.data)}
+    assert all(full[(q, t)] == y for q, t, y in zip(*sub.logprobs.nonzero(), sub.logprobs.data))
+    assert sub.tokens() * 10 == S.tokens()
+    with pytest.raises(NVError, match="sub-budget"):
+        S.subsample(30000, seed=1)
