@@ -62,6 +62,23 @@ SCHEMA: dict[str, dict] = {
         "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
     },
     "sweep": {"budgets": _BUDGETS},
+    "sample_complexity": {
+        "D_values": _BUDGETS,
+        "d_values": _BUDGETS,
+        "temperature": _POS_NUM,
+        "length": _POS_INT,
+        "runs": (int, lambda v: v >= 2, ">= 2"),
+        "delta": _PROB,
+        "grid_points": (int, lambda v: v >= 2, ">= 2"),
+    },
+    "carlini_baseline": {
+        "n_prompts": _POS_INT,
+        "length": _POS_INT,
+        "bias": ((int, float), lambda v: v < 0, "< 0"),
+        "precisions": (list, lambda v: len(v) > 0 and all(x in ("float32", "bfloat16") for x in v),
+                       "a non-empty list of 'float32' / 'bfloat16'"),
+        "max_rel_error": _POS_NUM,
+    },
 }
 
 

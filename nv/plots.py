@@ -105,7 +105,7 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
         a.semilogy(np.arange(1, len(full_sigma) + 1), full_sigma, color="C2")
         _mark_truth(a, d_true)
         a.legend(fontsize=8)
-    a.set_title("(a) full log-prob matrix, white-box (row-centred)")
+    a.set_title("(a) full log-prob matrix, white-box, float32 logits (row-centred)")
     a.set_xlabel("index i")
     a.set_ylabel("singular value")
     lam = paper.diagnostics["lambda"]
@@ -158,15 +158,16 @@ def budget_sweep(table, d_true: int | None):
         ax.plot(ok.tokens, ok.rel_error * 100, "o-", color=color, label=f"{method}: d_hat")
         fail = rows[rows.d_hat_raw.isna()]
         for _, r in fail.iterrows():
-            ax.plot(r.tokens, 100, "x", color=color, ms=10)
+            ax.plot(r.tokens, 100, "x" if method == "robust" else "+", color=color, ms=10 if method == "robust" else 14)
             ax.annotate(r.reason, (r.tokens, 100), textcoords="offset points", xytext=(0, 6 if method == "paper" else -14),
                         ha="center", fontsize=7, color=color)
     ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(-5, 115)
     ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
     ax.set_ylabel(f"relative error of d_hat (%), true d = {d_true}")
-    ax.set_title("Hidden-dimension error versus budget (x: no estimate)")
+    ax.set_title("Hidden-dimension error versus budget (x, +: no estimate, with the reason)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -30,6 +30,8 @@ STAGES: dict[str, Stage] = {
     "pruning": Stage("notebooks/12_pruning.ipynb", ()),
     "spectrum": Stage("notebooks/13_spectrum.ipynb", ("model", "spectrum")),
     "budget_sweep": Stage("notebooks/14_budget_sweep.ipynb", ("spectrum", "sweep")),
+    "sample_complexity": Stage("notebooks/20_sample_complexity.ipynb", ("model", "sample_complexity")),
+    "carlini_baseline": Stage("notebooks/21_carlini_baseline.ipynb", ("model", "spectrum", "carlini_baseline")),
 }
 
 

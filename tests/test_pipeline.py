@@ -18,8 +18,11 @@ from conftest import write_tiny_params
 BIN = Path(sys.executable).parent
 FIGURES = [
     "temperature_entropy.png", "prompt_search.png", "sampling_distinct_tokens.png", "common_set_coverage.png",
-    "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png",
+    "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png", "expected_N_vs_D.png",
+    "spectrum_carlini_vs_common_set.png", "cost_overhead.png",
 ]
+STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
+          "carlini_baseline"}
 
 
 def dvc(*args: str, cwd: Path) -> str:
@@ -54,7 +57,7 @@ def project(root, tmp_path_factory) -> Path:
 
 def test_repro_runs_every_stage_and_writes_every_figure(project):
     out = dvc("repro", cwd=project)
-    assert set(ran(out)) == {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep"}
+    assert set(ran(out)) == STAGES
     for f in FIGURES:
         assert (project / "figures" / f).stat().st_size > 10_000, f
     metrics = json.loads((project / "metrics" / "hidden_dim.json").read_text())
@@ -78,4 +81,4 @@ def test_a_spectrum_parameter_reruns_only_dependent_stages(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["spectrum"]["robust"]["z_min"] = 9.0
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    assert set(ran(dvc("repro", cwd=project))) == {"spectrum", "budget_sweep"}
+    assert set(ran(dvc("repro", cwd=project))) == {"spectrum", "budget_sweep", "carlini_baseline"}

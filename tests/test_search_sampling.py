@@ -96,3 +96,13 @@ def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     assert sub.tokens() * 10 == S.tokens()
     with pytest.raises(NVError, match="sub-budget"):
         S.subsample(30000, seed=1)
+
+
+def test_diverse_mode_draws_fresh_prompts_every_round(sim):
+    res = search_prompts(sim, D=30, rounds=3, batch_size=20, explore_rounds=1, threshold=0.5, seed=2, mode="diverse",
+                         progress=False)
+    assert res.rounds_explored == 3 and len(set(res.prompts)) == 60
+    best = res.prompts[int(np.argmin(res.argmax_prob[:20]))]
+    assert sum(sum(a != b for a, b in zip(p, best)) <= 1 for p in res.prompts[20:]) < 5  # not variants of the best
+    with pytest.raises(NVError, match="search mode"):
+        search_prompts(sim, D=1, rounds=1, batch_size=1, explore_rounds=1, threshold=0.5, seed=0, mode="greedy")

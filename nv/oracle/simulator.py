@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from nv.errors import NVError
-from nv.model import LoadedModel
+from nv.model import LoadedModel, load_model
 from nv.multinomial import multinomial_counts
 from nv.oracle.base import LOGPROB_MODES, Oracle, Samples, check_sampling
 from nv.prompts import PromptFormat
@@ -65,8 +65,6 @@ class Simulator(Oracle):
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
         """A simulator configured by params.yaml's ``model`` section (loads the model if needed)."""
-        from nv.model import load_model
-
         lm = lm or load_model(model["spec"], dtype=model["dtype"])
         return cls(lm, model["template"], model["logprobs"], model["logits"], model["batch_size"])
 
@@ -179,3 +177,41 @@ class Simulator(Oracle):
         if self.logit_precision == "bfloat16":
             z = z.to(torch.bfloat16)
         return z.float().numpy().astype(np.float64)
+
+    # -- logit-bias switch (simulator only) ------------------------------------------------
+
+    def top1_logit_bias(
+        self, prompts: Sequence[str], tokens: np.ndarray, bias: float = -1.0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Top-1 log-prob API with a logit bias, as Carlini et al.'s attack needs (§4.1 box, left).
+
+        Per prompt q: the unbiased top token r_q, y_top = log p_r, and for every t in ``tokens`` the
+        top log-prob y'_top of the call that adds ``bias`` to logit t alone (NaN where t = r_q: that
+        call is never made). Closed form from one forward pass, in float64 on the rounded logits z
+        (``logits`` switch): log Z'_t = log(Z - e^{z_t}(1 - e^bias)) = log Z + log1p(p_t (e^bias - 1)),
+        y'_top = max(z_r, z_t + bias) - log Z'_t. Each prompt is charged 1 unbiased call plus one per
+        biased token. Only the simulator has this switch: the HTTP backend, like the APIs of the
+        paper's threat model, offers no logit bias.
+        """
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise NVError("tokens must be a 1-D array of token ids")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise NVError(f"token ids must lie in [0, {self.vocab_size})")
+        if not np.isfinite(bias):
+            raise NVError(f"logit bias must be finite, got {bias}")
+        top = np.empty(len(prompts), dtype=np.int64)
+        y_top = np.empty(len(prompts))
+        y_biased = np.empty((len(prompts), tokens.size))
+        q = 0
+        for batch in self._batches(prompts):
+            for z, prompt in zip(self._logits_batch(batch), batch):
+                r = int(np.argmax(z))
+                u = z[tokens] - z[r]  # logits relative to the top one, so log Z is near 0
+                log_S = float(np.log(np.exp(z - z[r]).sum()))
+                log_S_biased = log_S + np.log1p(np.exp(u - log_S) * np.expm1(bias))
+                top[q], y_top[q] = r, -log_S
+                y_biased[q] = np.where(tokens == r, np.nan, np.maximum(0.0, u + bias) - log_S_biased)
+                self.cost.charge(self.format.prompt_tokens(prompt), calls=1 + int(np.count_nonzero(tokens != r)))
+                q += 1
+        return top, y_top, y_biased

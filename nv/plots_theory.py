@@ -1,0 +1,86 @@
+"""Figures of the sample-complexity and Carlini-baseline stages (§5.2). Each returns a new figure."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+PAPER_OVERHEAD = (12, 190)  # §5: NightVision costs ~12-190x the logit-bias attack (23 configurations)
+
+
+def expected_n_vs_d(theory, empirical, vocab_size: int, temperature: float, note: str = ""):
+    """Fig. expected-N-vs-D: samples per prompt N for a common set of size d, one panel per D.
+
+    ``theory`` has one row per (D, d) with expected_N (root of mu(N) = d, strict common set) and
+    bound_N (Corollary 1, 95 %); ``empirical`` one row per (D, d) with n95 (pruned common set,
+    mean + 1.645 sd over runs) and grid_step (the ratio between sample counts tried).
+    """
+    Ds = sorted(theory.D.unique())
+    fig, axes = plt.subplots(1, len(Ds), figsize=(4.4 * len(Ds), 3.8), sharey=True, squeeze=False)
+    for ax, D in zip(axes[0], Ds):
+        th = theory[theory.D == D].sort_values("d")
+        em = empirical[empirical.D == D].sort_values("d")
+        ax.plot(th.d, th.expected_N, "-", color="C0", label="expected N (strict: mu(N) = d)")
+        ax.plot(th.d, th.bound_N, "-", color="C1", label="95 % upper bound (Corollary 1)")
+        ax.errorbar(em.d, em.n95, yerr=[em.n95 * (1 - 1 / em.grid_step), np.zeros(len(em))], fmt="^-", color="C2",
+                    capsize=3, label="empirical 95 % N, pruned (bar: grid step)")
+        ax.set_yscale("log")
+        ax.set_title(f"D = {D:,} prompts")
+        ax.set_xlabel("target common-set size d")
+        ax.grid(alpha=0.3, which="both")
+    axes[0, 0].set_ylabel("samples per prompt N")
+    axes[0, 0].legend(fontsize=8)
+    title = f"Samples per prompt for a common set of size d (|V| = {vocab_size:,}, T = {temperature:g})"
+    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def carlini_vs_common_set(carlini: dict[str, tuple[np.ndarray, int]], common_sigma: np.ndarray,
+                          common_shape: tuple[int, int], common_d_hat: int | None, d_true: int | None):
+    """(a) singular values of the row-centred Carlini matrix Q (label -> (sigma, d_hat) per run),
+    (b) the common-set spectrum of phase 1 (row-centred singular values of Y, D' x |C|)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for k, (label, (sigma, d_hat)) in enumerate(carlini.items()):
+        a.semilogy(np.arange(1, len(sigma) + 1), sigma, color=f"C{k}", label=f"{label}: largest gap at d_hat = {d_hat}")
+    b.semilogy(np.arange(1, len(common_sigma) + 1), common_sigma, color="C0", label="common set Y (row-centred)")
+    if common_d_hat is not None:
+        b.axvline(common_d_hat, color="C1", ls="--", label=f"robust d_hat = {common_d_hat}")
+    for ax in (a, b):
+        if d_true:
+            ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
+        ax.set_xlabel("index i")
+        ax.set_ylabel("singular value sigma_i")
+        ax.legend(fontsize=8)
+    a.set_title(f"(a) logit-bias attack (Carlini et al.): Q, n = {len(sigma):,} prompts x |V|")
+    b.set_title(f"(b) common-set prompting: Y, D' x |C| = {common_shape[0]:,} x {common_shape[1]:,}")
+    fig.tight_layout()
+    return fig
+
+
+def cost_overhead(d: int, overhead: dict):
+    """Fig. carlini-vs-us for one model: NightVision's tokens to reach the error target over Carlini's
+    d |V| (l_sys + 2) (``overhead`` from nv.carlini.cost_overhead), annotated with the samples per prompt
+    N it took; an arrow marks a lower bound when the target was never reached."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lo, hi = PAPER_OVERHEAD
+    ax.axhspan(lo, hi, color="0.9", label=f"paper: {lo}-{hi}x (23 configurations)")
+    target = f"rel. error <= {overhead['max_rel_error']:.0%}"
+    if overhead["ratio"] is not None:
+        ax.scatter([d], [overhead["ratio"]], s=80, color="C0", zorder=3, label=f"this model: {overhead['ratio']:.3g}x")
+        ax.annotate(f"N = {overhead['N']:,} samples per prompt", (d, overhead["ratio"]), textcoords="offset points",
+                    xytext=(8, 4), fontsize=8)
+    else:
+        lb = overhead["lower_bound"]
+        ax.scatter([d], [lb], marker="^", s=80, color="C3", zorder=3, label=f"{target} not reached: > {lb:.3g}x")
+        ax.annotate("", xy=(d, lb * 4), xytext=(d, lb), arrowprops={"arrowstyle": "->", "color": "C3"})
+    ax.set_yscale("log")
+    ax.set_xlabel("hidden dimension d")
+    ax.set_ylabel("cost ratio (ours / Carlini et al.)")
+    ax.set_title(f"Cost overhead to reach {target} (Carlini: {overhead['carlini_tokens']:.3g} tokens)")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
