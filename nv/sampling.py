@@ -40,12 +40,12 @@ class SampledMatrix:
     def D(self) -> int:
         return self.logprobs.shape[0]
 
-    def tokens(self, N: int | None = None) -> int:
-        """§5 cost of N samples per prompt: sum_q (prompt tokens_q + 1 output token) * N."""
-        return int((self.prompt_tokens.astype(np.int64) + 1).sum() * (N or self.N))
+    def tokens(self) -> int:
+        """§5 cost of the N samples per prompt: sum_q (prompt tokens_q + 1 output token) * N."""
+        return int((self.prompt_tokens.astype(np.int64) + 1).sum() * self.N)
 
-    def calls(self, N: int | None = None) -> int:
-        return self.D * (N or self.N)
+    def calls(self) -> int:
+        return self.D * self.N
 
     def budget(self) -> dict:
         """D, N, tau and the §5 cost of this matrix (what a report needs besides the estimate)."""
