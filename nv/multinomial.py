@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from nv.errors import NVError
 
 _POISSON_MIN_N = 10_000
+_POOL = ThreadPoolExecutor(max_workers=1)  # the second half of the vocabulary, beside the caller's thread
+
+
+def _poisson_halves(rng: np.random.Generator, lam: np.ndarray) -> np.ndarray:
+    """Independent Poisson(lam_i) counts, the two halves of ``lam`` drawn on two threads.
+
+    Each half has its own generator spawned from ``rng`` (numpy releases the GIL while drawing), so
+    the draws depend only on the seed, never on the machine's core count.
+    """
+    first, second = rng.spawn(2)
+    half = len(lam) // 2
+    upper = _POOL.submit(second.poisson, lam[half:])
+    return np.concatenate([first.poisson(lam[:half]), upper.result()])
 
 
 def multinomial_counts(rng: np.random.Generator, n: int, p: np.ndarray) -> np.ndarray:
@@ -24,7 +39,7 @@ def multinomial_counts(rng: np.random.Generator, n: int, p: np.ndarray) -> np.nd
         return rng.multinomial(n, p / p.sum())
     lam = (n - 3.0 * np.sqrt(n)) * p / p.sum()
     while True:
-        counts = rng.poisson(lam)
+        counts = _poisson_halves(rng, lam)
         rest = n - int(counts.sum())
         if rest >= 0:
             break
