@@ -30,6 +30,20 @@ _OPT_POS_INT: Check = ((int, type(None)), lambda v: v is None or v >= 1, ">= 1 o
 _BUDGETS: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
                    "a non-empty list of ints >= 1")
 
+_FRACTION: Check = ((int, float), lambda v: 0 <= v < 0.5, "in [0, 0.5)")
+_D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and v >= 1), "'phase1' or an int >= 1")
+
+
+class EachOf(dict):
+    """Schema of a mapping whose every value (e.g. one reference model) follows the same schema."""
+
+
+class Platforms(EachOf):
+    """``EachOf`` whose keys are timing platforms (the first is the reference platform)."""
+
+    names = ("inprocess", "llamacpp")
+
+
 SCHEMA: dict[str, dict] = {
     "model": {
         "spec": _STR,
@@ -62,6 +76,20 @@ SCHEMA: dict[str, dict] = {
         "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
     },
     "sweep": {"budgets": _BUDGETS},
+    "live": {
+        "chat": _BOOL,
+        "n_per_request": _POS_INT,
+        "top_logprobs": _NONNEG_INT,
+        "extra_body": (dict, None, ""),
+        "columns": _POS_INT,
+        "prompt_tokens": _POS_INT,
+        "concurrency": _POS_INT,
+        "rpm": ((int, float), lambda v: v >= 0, ">= 0"),
+        "tpm": ((int, float), lambda v: v >= 0, ">= 0"),
+        "retries": _NONNEG_INT,
+        "backoff": _POS_NUM,
+        "timeout": _POS_NUM,
+    },
     "sample_complexity": {
         "D_values": _BUDGETS,
         "d_values": _BUDGETS,
@@ -79,6 +107,19 @@ SCHEMA: dict[str, dict] = {
                        "a non-empty list of 'float32' / 'bfloat16'"),
         "max_rel_error": _POS_NUM,
     },
+    "timing": {
+        "platforms": Platforms({"r": _POS_NUM, "trials": (int, lambda v: v >= 2, ">= 2"), "threads": _POS_INT,
+                                "references": ((str, list), lambda v: v == "all" or (len(v) > 0 and all(isinstance(x, str) for x in v)),
+                                               "'all' or a non-empty list of timing_family names")}),
+        "warmups": (int, lambda v: v >= 2, ">= 2 (two calibrate the prompt length)"),
+        "trim": _FRACTION,
+        "n_lengths": (int, lambda v: v >= 2, ">= 2"),
+        "discard": _NONNEG_INT,
+        "kv_ratio": _POS_NUM,
+        "ffn_ratio": _POS_NUM,
+    },
+    "timing_target": {"p_max": _POS_INT, "d_hat": _D_HAT},
+    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}),
 }
 
 
@@ -90,6 +131,17 @@ def check_section(name: str, section: object) -> dict:
 
 
 def _check(name: str, section: dict, schema: dict) -> dict:
+    if isinstance(schema, EachOf):
+        if not section:
+            raise NVError(f"params: '{name}' must list at least one entry")
+        bad = [k for k in section if isinstance(schema, Platforms) and k not in Platforms.names]
+        if bad:
+            raise NVError(f"params: unknown platform '{name}.{bad[0]}' (known: {', '.join(Platforms.names)})")
+        for key, entry in section.items():
+            if not isinstance(entry, dict):
+                raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
+            _check(f"{name}.{key}", entry, dict(schema))
+        return section
     unknown = sorted(set(section) - set(schema)) if schema else []
     if unknown:
         raise NVError(f"params: unknown key '{name}.{unknown[0]}' (known: {', '.join(schema)})")

@@ -1,9 +1,11 @@
 """Run one section notebook with papermill, parameterized from params.yaml (a DVC stage's cmd).
 
-``python -m nv.stage NAME [--params FILE]`` validates the stage's sections of params.yaml,
-passes each section as one dict parameter (plus ``seed`` and the project ``root``), checks
-that the notebook declares every one of them (papermill would silently ignore an unknown
-name), and writes the executed notebook to ``outputs/NAME/NAME.ipynb``.
+``python -m nv.stage NAME [--item KEY] [--params FILE]`` validates the stage's sections of
+params.yaml, passes each section as one dict parameter (plus ``seed`` and the project ``root``),
+checks that the notebook declares every one of them (papermill would silently ignore an unknown
+name), and writes the executed notebook to ``outputs/NAME/NAME.ipynb``. A per-item stage (DVC
+``foreach``) gets one entry of its ``each`` section as ``item`` (with ``item_name``) and writes
+to ``outputs/NAME/KEY/``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nv.params import load_params
 class Stage:
     notebook: str
     sections: tuple[str, ...]
+    each: str | None = None  # params section with one entry per DVC foreach item
 
 
 STAGES: dict[str, Stage] = {
@@ -32,25 +35,38 @@ STAGES: dict[str, Stage] = {
     "budget_sweep": Stage("notebooks/14_budget_sweep.ipynb", ("spectrum", "sweep")),
     "sample_complexity": Stage("notebooks/20_sample_complexity.ipynb", ("model", "sample_complexity")),
     "carlini_baseline": Stage("notebooks/21_carlini_baseline.ipynb", ("model", "spectrum", "carlini_baseline")),
+    "timing_reference": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing"), each="timing_family"),
+    "timing_target": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing", "timing_target")),
+    "timing_fit": Stage("notebooks/31_timing_fit.ipynb", ("timing", "timing_target", "timing_family")),
 }
 
 
-def run_stage(name: str, params_path: str | Path = "params.yaml", root: str | Path | None = None) -> Path:
-    """Execute stage ``name``'s notebook; return the executed notebook's path."""
+def run_stage(
+    name: str, params_path: str | Path = "params.yaml", root: str | Path | None = None, item: str | None = None
+) -> Path:
+    """Execute stage ``name``'s notebook (for ``item`` of a per-item stage); return the executed notebook."""
     import papermill
 
     if name not in STAGES:
         raise NVError(f"unknown stage {name!r}; known: {', '.join(STAGES)}")
     stage = STAGES[name]
     root = Path(root or os.getcwd()).resolve()
-    params = load_params(root / params_path, list(stage.sections))
+    params = load_params(root / params_path, list(stage.sections) + ([stage.each] if stage.each else []))
+    out = root / "outputs" / name
+    if stage.each:
+        entries = params.pop(stage.each)
+        if item not in entries:
+            raise NVError(f"stage {name} runs per item of '{stage.each}': --item must be one of {sorted(entries)}, got {item!r}")
+        params.update(item=entries[item], item_name=item)
+        out = out / item
+    elif item is not None:
+        raise NVError(f"stage {name} takes no --item")
     notebook = root / stage.notebook
     declared = set(papermill.inspect_notebook(str(notebook)))
     values = {"root": str(root), **params}
     unknown = sorted(set(values) - declared)
     if unknown:
         raise NVError(f"{stage.notebook} does not declare parameter(s) {unknown} in its parameters cell")
-    out = root / "outputs" / name
     out.mkdir(parents=True, exist_ok=True)
     executed = out / f"{name}.ipynb"
     os.environ.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
@@ -66,10 +82,11 @@ def run_stage(name: str, params_path: str | Path = "params.yaml", root: str | Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nv.stage", description=__doc__.splitlines()[0])
     parser.add_argument("name", help=f"one of: {', '.join(STAGES)}")
+    parser.add_argument("--item", help="the entry of a per-item (DVC foreach) stage")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        run_stage(args.name, args.params)
+        run_stage(args.name, args.params, item=args.item)
     except NVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

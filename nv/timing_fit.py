@@ -47,16 +47,6 @@ def sweep_lengths(d: int, d_kv: float, d_ffn: float, p_max: int, r: float = 0.6,
     return np.unique(np.append(ell, ell_star) if lo <= ell_star <= hi else ell)
 
 
-def default_ratios_sweep(
-    d_hat: int, p_max: int, kv_ratio: float = 0.25, ffn_ratio: float = 3.5, r: float = 0.6, n: int = 24
-) -> np.ndarray:
-    """``sweep_lengths`` for a target of unknown shape: d_kv = kv_ratio d_hat, d_ffn = ffn_ratio d_hat.
-
-    The defaults are the LLaMA-3-8B ratios the paper assumes for unknown targets (footnote to Eq. 3).
-    """
-    return sweep_lengths(d_hat, kv_ratio * d_hat, ffn_ratio * d_hat, p_max, r, n)
-
-
 def trimmed_stats(trials: np.ndarray, trim: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """App. D timing protocol: trimmed mean over the last axis (floor(trim N) trials cut at each end) and
     sigma_T = std(kept, ddof=1) / sqrt(N_kept)."""
@@ -200,18 +190,23 @@ class DepthEstimate:
     gamma_g: LineFit  # Eq. 7 on the target alone: gamma^tgt_g, zeta^tgt_g
 
 
-def cross_platform_depth(ref: Timings, tgt: Timings, target: Timings) -> DepthEstimate:
+def cross_platform_depth(ref: Timings, tgt: Timings, target: Timings, tgt_on_ref: Timings | None = None) -> DepthEstimate:
     """Fig. algo_timing Stage 2 (App. B.3.3, Eqs. 6-10) for any pair of platforms.
 
-    ``ref``: reference models F^ref with known d, L on the reference platform; ``tgt``: models F^tgt
-    timed on the target's platform with spectral d_hat; ``target``: the held-out model g with d_hat_g.
-    For leave-one-out evaluation the caller excludes g from both sets (F^ref_g, F^tgt_g). On one
-    platform, passing the same models as ``ref`` and ``tgt`` makes k absorb the d_hat vs d mismatch.
+    ``ref``: reference models F^ref with known d, L on the reference platform (beta^ref, alpha^ref);
+    ``tgt``: models F^tgt timed on the target's platform with spectral d_hat; ``target``: the held-out
+    model g with d_hat_g. ``tgt_on_ref``: the models of F^tgt timed on the reference platform, for
+    gamma^ref (default: ``ref``). The pooled L-unknown slope gamma grows with the mean depth of the
+    models it pools, so k = gamma^tgt / gamma^ref is a pure platform ratio only when both gammas pool
+    the same models: pass ``tgt_on_ref`` whenever F^tgt is not F^ref (our choice; the paper's sets
+    coincide). For leave-one-out evaluation the caller excludes g from every set. On one platform,
+    passing the same models as ``ref`` and ``tgt`` makes k absorb the d_hat vs d mismatch.
     """
     if ref.L is None:
         raise NVError("reference timings need the known layer counts L")
     reference = fit_scaling(ref.L, ref.d, ref.ell, ref.T, ref.sigma)
-    gamma_ref = fit_gamma(ref.d, ref.ell, ref.T, ref.sigma)
+    same = tgt_on_ref or ref
+    gamma_ref = fit_gamma(same.d, same.ell, same.T, same.sigma)
     gamma_tgt = fit_gamma(tgt.d, tgt.ell, tgt.T, tgt.sigma)
     gamma_g = fit_gamma(target.d, target.ell, target.T, target.sigma)
     k = transfer_factor(gamma_tgt.slope, gamma_ref.slope)

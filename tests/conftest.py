@@ -33,16 +33,28 @@ TINY = {
     "model": {"batch_size": 48},
     "sample_complexity": {"D_values": [20, 40], "d_values": [8, 16], "runs": 2, "grid_points": 4},
     "carlini_baseline": {"n_prompts": 80, "precisions": ["float32"]},
+    "timing": {"n_lengths": 4, "discard": 1, "platforms": {
+        "inprocess": {"r": 0.02, "trials": 2, "threads": 2, "references": "all"},
+        "llamacpp": {"r": 0.02, "trials": 2, "threads": 2, "references": "all"},
+    }},
+    # tiny phase 1 does not saturate, so the timing sweep takes the true d instead of phase 1's d_hat
+    "timing_target": {"d_hat": 576},
+}
+TINY_FAMILY = {
+    "t-128x2": {"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256},
+    "t-128x4": {"d": 128, "L": 4, "n_kv_heads": 1, "d_ffn": 256},
+    "t-192x3": {"d": 192, "L": 3, "n_kv_heads": 1, "d_ffn": 384},
 }
 
 
 def write_tiny_params(root: Path, dest: Path) -> Path:
-    """The shipped params.yaml with the phase-1 sections shrunk to seconds of work."""
+    """The shipped params.yaml with every section shrunk to seconds of work (tiny reference family)."""
     import yaml
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     for section, values in TINY.items():
         params[section].update(values)
+    params["timing_family"] = TINY_FAMILY
     path = dest / "params.yaml"
     path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
     return path

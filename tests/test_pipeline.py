@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_tiny_params
+from conftest import TINY_FAMILY, write_tiny_params
 
 BIN = Path(sys.executable).parent
 FIGURES = [
     "temperature_entropy.png", "prompt_search.png", "sampling_distinct_tokens.png", "common_set_coverage.png",
     "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png", "expected_N_vs_D.png",
-    "spectrum_carlini_vs_common_set.png", "cost_overhead.png",
+    "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
+    "timing_errors.png", "timing_cross_platform.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
-          "carlini_baseline"}
+          "carlini_baseline", "timing_target", "timing_fit"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc(*args: str, cwd: Path) -> str:
@@ -69,6 +70,17 @@ def test_repro_runs_every_stage_and_writes_every_figure(project):
     assert sweep.count("\n") == 1 + 2 * 2  # header + 2 budgets x 2 estimators
     card = (project / "outputs" / "model_card" / "temperature_entropy.csv").read_text()
     assert "top100_mass" in card
+    timing = json.loads((project / "metrics" / "timing.json").read_text())
+    rows = {(r["calibration"], r["d_source"]): r for r in timing["target"]}
+    assert set(rows) == {("same platform", "d_hat"), ("same platform", "true d"),
+                         ("inprocess -> llamacpp", "d_hat"), ("inprocess -> llamacpp", "true d")}
+    for row in rows.values():
+        for key in ("model", "L_true", "P_true", "lengths", "trials", "d_used", "note"):
+            assert row[key] is not None, key
+        assert row["L_true"] == 30 and row["trials"] == 2 and row["d_used"] == 576 and len(row["lengths"]) >= 4
+        # tiny sweeps are mostly noise: a depth, or the reason there is none
+        assert (row["L_hat"] is not None and row["L_hat"] > 0 and row["k"] > 0) or row["note"], row
+    assert rows[("same platform", "d_hat")]["k"] in (1.0, None)
 
 
 def test_second_repro_reruns_nothing(project):
@@ -81,4 +93,30 @@ def test_a_spectrum_parameter_reruns_only_dependent_stages(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["spectrum"]["robust"]["z_min"] = 9.0
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    assert set(ran(dvc("repro", cwd=project))) == {"spectrum", "budget_sweep", "carlini_baseline"}
+    before = (project / "metrics" / "hidden_dim.json").read_text()
+    stages = set(ran(dvc("repro", cwd=project)))
+    # phase 2 reads phase 1's d_hat: it reruns only if the spectrum's metrics changed
+    timing = {"timing_target", "timing_fit"} if (project / "metrics" / "hidden_dim.json").read_text() != before else set()
+    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing
+
+
+def test_adding_a_reference_model_reruns_only_its_stage(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["timing_family"]["t-192x2"] = {"d": 192, "L": 2, "n_kv_heads": 1, "d_ffn": 384}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    assert set(ran(dvc("repro", cwd=project))) == {"timing_reference@t-192x2", "timing_fit"}
+
+
+def test_exp_run_on_one_phase1_parameter_reruns_only_dependent_stages(project):
+    """`dvc exp run -S` (a reviewer's one-parameter experiment) on the committed copy runs only the stages
+    that read the parameter, and phase 2 only if phase 1's metrics changed."""
+    dvc("repro", cwd=project)  # nothing after the tests above; the whole pipeline when this test runs alone
+    for args in (["config", "user.name", "nv-test"], ["config", "user.email", "nv-test@localhost"], ["add", "-A"],
+                 ["commit", "-q", "-m", "base"]):  # dvc exp needs a commit, and commits the experiment itself
+        subprocess.run(["git", *args], cwd=project, check=True, capture_output=True, timeout=300)
+    before = (project / "metrics" / "hidden_dim.json").read_text()
+    stages = set(ran(dvc("exp", "run", "-S", "spectrum.robust.z_min=7.5", cwd=project)))
+    timing = {"timing_target", "timing_fit"} if (project / "metrics" / "hidden_dim.json").read_text() != before else set()
+    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing
+    assert yaml.safe_load((project / "params.yaml").read_text())["spectrum"]["robust"]["z_min"] == 7.5
+    assert len(dvc("exp", "list", "--name-only", cwd=project).split()) == 1

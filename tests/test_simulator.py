@@ -109,8 +109,10 @@ def test_argmax_reports_the_temperature_one_logprob(lm32, reference):
 
 def test_time_request_is_positive_and_charged(lm32):
     sim = Simulator(lm32)
-    assert sim.time_request("abcde") > 0
-    assert sim.cost.calls == 1
+    call = sim.time_request("abcde")
+    assert call.seconds > 0
+    assert call.prompt_tokens == len(sim.format.ids("abcde"))
+    assert sim.cost.calls == 1 and sim.cost.prompt_tokens == call.prompt_tokens
 
 
 @pytest.mark.parametrize(

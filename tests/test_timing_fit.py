@@ -10,7 +10,6 @@ from nv.timing_fit import (
     attention_regime,
     crossover_length,
     cross_platform_depth,
-    default_ratios_sweep,
     depth_basic,
     fit_gamma,
     fit_scaling,
@@ -32,7 +31,7 @@ def _platform(models, scale, alpha, rng=None, rel_noise=0.0):
     """Flat timings of ``models`` on a platform whose beta is ``scale * BETA`` (Eq. 9 with k = scale)."""
     ell, L, d = [], [], []
     for L_i, d_i in models:
-        lengths = attention_regime(*(3 * [default_ratios_sweep(d_i, 32768).astype(float)]))[0]
+        lengths = attention_regime(*(3 * [sweep_lengths(d_i, 0.25 * d_i, 3.5 * d_i, 32768).astype(float)]))[0]
         ell.append(lengths)
         L.append(np.full(len(lengths), L_i))
         d.append(np.full(len(lengths), d_i))
@@ -53,7 +52,8 @@ def test_sweep_llama31_8b():
     expected = np.unique(np.append(np.rint(np.linspace(7987, 31948, 24)), 15974)).astype(int)
     assert len(ell) == 25 and ell[0] == 7987 and ell[-1] == 31948 and 15974 in ell
     np.testing.assert_array_equal(ell, expected)
-    np.testing.assert_array_equal(default_ratios_sweep(4096, 131072), ell)  # 3.5 * 4096 = 14336
+    # a target of unknown shape: d_hat with the default ratios n_kv/n_heads = 1/4, d_ffn/d = 3.5 (= 14336 here)
+    np.testing.assert_array_equal(sweep_lengths(4096, 0.25 * 4096, 3.5 * 4096, 131072), ell)
 
 
 def test_sweep_cap_and_errors():

@@ -56,6 +56,15 @@ class Samples:
         return int(self.counts.sum())
 
 
+@dataclass(frozen=True)
+class TimedCall:
+    """One timed call (App. D): seconds from request to the first output token, and the prompt
+    tokens the backend processed (its own count, e.g. an HTTP server's ``usage.prompt_tokens``)."""
+
+    seconds: float
+    prompt_tokens: int
+
+
 def check_sampling(n: int, temperature: float) -> None:
     """One-line errors for an impossible sampling request."""
     if int(n) != n or n < 1:
@@ -79,5 +88,5 @@ class Oracle(ABC):
         """One temperature-0 call per prompt: the argmax token and the log-prob the API reports."""
 
     @abstractmethod
-    def time_request(self, prompt: str) -> float:
-        """Seconds from request to the first (only) output token of one call."""
+    def time_request(self, prompt: str) -> TimedCall:
+        """One call with one output token, timed client-side from request to that token."""

@@ -22,7 +22,7 @@ import numpy as np
 from nv.errors import NVError
 from nv.model import LoadedModel, load_model
 from nv.multinomial import multinomial_counts
-from nv.oracle.base import LOGPROB_MODES, Oracle, Samples, check_sampling
+from nv.oracle.base import LOGPROB_MODES, Oracle, Samples, TimedCall, check_sampling
 from nv.prompts import PromptFormat
 
 LOGIT_PRECISIONS = ("bfloat16", "float32")
@@ -111,7 +111,7 @@ class Simulator(Oracle):
                 self.cost.charge(ell, calls=1)
         return out
 
-    def time_request(self, prompt: str) -> float:
+    def time_request(self, prompt: str) -> TimedCall:
         """Wall time of one full forward pass of ``prompt`` (prefill + the one output token)."""
         import torch
 
@@ -121,7 +121,7 @@ class Simulator(Oracle):
             self.lm.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
             elapsed = time.perf_counter() - start
         self.cost.charge(len(ids), calls=1)
-        return elapsed
+        return TimedCall(elapsed, len(ids))
 
     # -- internals --------------------------------------------------------------------------
 

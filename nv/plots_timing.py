@@ -1,0 +1,120 @@
+"""Phase 2 figures: the scaling relation, measured vs predicted runtime, per-model errors, platforms."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from nv.timing_fit import attention_regime, fit_gamma, fit_scaling
+
+_LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
+
+
+def _marker(record: dict) -> dict:
+    return {"marker": "*", "s": 90, "zorder": 3} if record["role"] == "target" else {"marker": "o", "s": 18}
+
+
+def _fit_points(records: list[dict], discard: int, d_key: str = "d"):
+    kept = [attention_regime(np.array(r["ell"]), np.array(r["T"]), np.array(r["sigma"]), discard) for r in records]
+    n = [len(k[0]) for k in kept]
+    cat = [np.concatenate([k[i] for k in kept]) for i in range(3)]
+    return cat, np.repeat([r[d_key] for r in records], n), np.repeat([r["L"] for r in records], n)
+
+
+def scaling(records: dict[str, list[dict]], discard: int):
+    """Paper's scaling figure (Fig. scaling_block_b): prefill time T versus L ell^2 d, one panel per
+    platform; filled points are the fitted attention regime, hollow ones the discarded short lengths;
+    the line is Eq. 2 fitted on the reference models (true d and L)."""
+    fig, axes = plt.subplots(1, len(records), figsize=(6.2 * len(records), 4.6), squeeze=False)
+    for ax, (platform, recs) in zip(axes[0], records.items()):
+        refs = [r for r in recs if r["role"] == "reference"]
+        (ell, T, sigma), d, L = _fit_points(refs, discard)
+        fit = fit_scaling(L, d, ell, T, sigma)
+        for i, r in enumerate(recs):
+            x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
+            order = np.argsort(r["ell"])
+            label = f"{r['model']} (d={r['d']}, L={r['L']})" + (" target" if r["role"] == "target" else "")
+            color = "k" if r["role"] == "target" else f"C{i % 10}"
+            ax.scatter(x[order[discard:]], np.array(r["T"])[order[discard:]], color=color, label=label, **_marker(r))
+            ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
+        xs = np.linspace(0, ax.get_xlim()[1], 50)
+        ax.plot(xs, fit.slope * xs + fit.intercept, "k--", lw=1,
+                label=f"Eq. 2 fit: beta={fit.slope:.3g} s, alpha={fit.intercept:.3g} s")
+        ax.set(xlabel="L ell^2 d (layers x tokens^2 x hidden size)", ylabel="prefill time T (s, minus ell=1 baseline)",
+               title=_LABELS.get(platform, platform))
+        ax.legend(fontsize=7)
+    fig.suptitle("Timing scaling relation T ~ beta L ell^2 d + alpha (hollow: short lengths discarded, App. D)")
+    fig.tight_layout()
+    return fig
+
+
+def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
+    """Fig. scaling_law: measured T versus Eq. 2's prediction with the leave-one-out beta, alpha and
+    the true L, d of each model (same-platform calibration)."""
+    fig, axes = plt.subplots(1, len(records), figsize=(5.4 * len(records), 4.8), squeeze=False)
+    for ax, (platform, recs) in zip(axes[0], records.items()):
+        same = table[(table.platform == platform) & (table.d_source == "d_hat")].set_index("model")
+        top = 0.0
+        for i, r in enumerate(recs):
+            row = same.loc[r["model"]]
+            k = row["k"]
+            pred = k * row["beta"] * r["L"] * np.array(r["ell"]) ** 2 * r["d"] + row["alpha"]
+            ax.scatter(pred, r["T"], color="k" if r["role"] == "target" else f"C{i % 10}", label=r["model"], **_marker(r))
+            top = max(top, float(np.max(pred)), float(np.max(r["T"])))
+        ax.plot([0, top], [0, top], ":", color="0.4", lw=1, label="measured = predicted")
+        ax.set(xlabel="predicted T = k beta L ell^2 d + alpha (s)", ylabel="measured T (s)", title=_LABELS.get(platform, platform))
+        ax.legend(fontsize=7)
+    fig.suptitle("Measured versus predicted prefill time (each model held out of its own calibration)")
+    fig.tight_layout()
+    return fig
+
+
+def errors(table: pd.DataFrame):
+    """Fig. val_plot_n_layers / cross_gpu: relative error of L_hat and P_hat per model and calibration;
+    dark bars raw, light bars with L_hat rounded to an integer. P_hat uses the true ratios when known."""
+    rows = table[table.d_source == "d_hat"]
+    groups = list(dict.fromkeys(rows.calibration))
+    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 6.4), squeeze=False, sharey="row")
+    for c, group in enumerate(groups):
+        sub = rows[rows.calibration == group]
+        x = np.arange(len(sub))
+        for r, (what, raw, rounded) in enumerate([("L", "L_err", "L_err_rounded"),
+                                                  ("P", "P_err_registry_raw", "P_err_registry_rounded")]):
+            ax = axes[r, c]
+            ax.bar(x - 0.2, 100 * sub[raw], 0.4, color="C0" if what == "L" else "C2", label="raw")
+            ax.bar(x + 0.2, 100 * sub[rounded], 0.4, color="C0" if what == "L" else "C2", alpha=0.4, label="L_hat rounded")
+            ax.set_xticks(x, [m + (" *" if role == "target" else "") for m, role in zip(sub.model, sub.role)], rotation=35,
+                          ha="right", fontsize=7)
+            ax.set(ylabel=f"relative error of {what}_hat (%)", title=f"{group}: {what}_hat")
+            ax.legend(fontsize=7)
+    fig.suptitle("Leave-one-out relative error per model (* = the attacked model, d from phase 1)")
+    fig.tight_layout()
+    return fig
+
+
+def cross_platform(records: dict[str, list[dict]], table: pd.DataFrame, discard: int):
+    """App. B.3.3: the L-unknown relations T ~ gamma ell^2 d + zeta of the reference models on each
+    platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    gammas = {}
+    for i, (platform, recs) in enumerate(records.items()):
+        refs = [r for r in recs if r["role"] == "reference"]
+        (ell, T, sigma), d, _ = _fit_points(refs, discard)
+        gamma = fit_gamma(d, ell, T, sigma)
+        gammas[platform] = gamma.slope
+        x = ell**2 * d
+        axes[0].scatter(x, T, s=10, color=f"C{i}", alpha=0.6, label=f"{_LABELS.get(platform, platform)} references")
+        xs = np.linspace(0, x.max(), 50)
+        axes[0].plot(xs, gamma.slope * xs + gamma.intercept, color=f"C{i}", lw=1, label=f"gamma = {gamma.slope:.3g} s")
+        target = next(r for r in recs if r["role"] == "target")
+        axes[1].plot(target["ell"], target["T"], "o-", ms=3, color=f"C{i}", label=_LABELS.get(platform, platform))
+    axes[0].set(xlabel="ell^2 d", ylabel="prefill time T (s)", title="L-unknown fits on each platform (Eqs. 6-7)")
+    axes[0].legend(fontsize=7)
+    axes[1].set(xlabel="prompt tokens ell", ylabel="prefill time T (s)", title="the attacked model, end to end")
+    axes[1].legend(fontsize=7)
+    names = list(gammas)
+    if len(names) == 2:
+        fig.suptitle(f"Cross-platform calibration: k = gamma_{names[1]} / gamma_{names[0]} = {gammas[names[1]] / gammas[names[0]]:.2f}")
+    fig.tight_layout()
+    return fig

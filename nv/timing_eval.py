@@ -1,0 +1,139 @@
+"""Phase 2 Stages 2-3 over collected timings: L_hat and P_hat per model, leave-one-out (App. B.3).
+
+Each model g (every reference model in turn, and the target) is held out: the references other
+than g give beta^ref, alpha^ref (Eq. 2/6, L known) on the reference platform, and those of them
+also timed on g's platform give gamma^tgt there (Eq. 7) and gamma^ref on the reference platform
+(Eq. 6), so k (Eq. 8) compares the same models; g's own gamma^tgt_g gives
+L_hat_g = gamma^tgt_g / (k beta^ref) (Eq. 10), with k = 1 on the reference platform itself. P_hat follows from Eq. 3 with the default ratios
+(n_kv/n_heads = 1/4, d_ffn/d = 3.5, untied: the paper) and with the model's true ratios and tying
+(the registry case); the vocabulary is known, as the paper assumes.
+
+Records are the per-platform JSON files ``nv.timing_models.time_model`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from nv.errors import NVError
+from nv.timing_fit import Timings, attention_regime, cross_platform_depth, relative_error, total_params
+
+
+def load_records(root: Path, family: dict, platforms: dict) -> dict[str, list[dict]]:
+    """Per platform (reference platform first): its reference records in params order, then the target's."""
+    records: dict[str, list[dict]] = {}
+    for platform, cfg in platforms.items():
+        names = list(family) if cfg["references"] == "all" else cfg["references"]
+        unknown = sorted(set(names) - set(family))
+        if unknown:
+            raise NVError(f"params: timing.platforms.{platform}.references names {unknown}, not in timing_family")
+        folders = [root / "outputs" / "timing_reference" / name for name in names] + [root / "outputs" / "timing_target"]
+        records[platform] = []
+        for folder in folders:
+            path = folder / f"{platform}.json"
+            if not path.is_file():
+                raise NVError(f"missing timing record {path}: run 'dvc repro' (or the timing stages) first")
+            records[platform].append(json.loads(path.read_text()))
+    return records
+
+
+def regime(record: dict, discard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A record's (ell, T, sigma) in the attention-dominated regime (App. D: shortest points dropped)."""
+    return attention_regime(np.array(record["ell"]), np.array(record["T"]), np.array(record["sigma"]), discard)
+
+
+def timings(records: list[dict], discard: int, d_key: str = "d_used") -> Timings:
+    """Flat Timings over models; d from ``d_key`` ('d' true, 'd_used' what the attack knows)."""
+    parts = [regime(r, discard) for r in records]
+    count = [len(p[0]) for p in parts]
+    return Timings(
+        ell=np.concatenate([p[0] for p in parts]),
+        T=np.concatenate([p[1] for p in parts]),
+        sigma=np.concatenate([p[2] for p in parts]),
+        d=np.repeat([float(r[d_key]) for r in records], count),
+        L=np.repeat([float(r["L"]) for r in records], count),
+    )
+
+
+def param_estimates(record: dict, d_hat: float, L_hat: float, timing: dict) -> dict:
+    """Eq. 3 with the default ratios ('paper') and the true ratios and tying ('registry')."""
+    V = record["vocab_size"]
+    true_ratios = (record["n_kv_heads"] / record["n_heads"], record["d_ffn"] / record["d"], record["tied"])
+    out = {}
+    for label, (kv, ffn, tied) in {"paper": (timing["kv_ratio"], timing["ffn_ratio"], False), "registry": true_ratios}.items():
+        for rounding, L in (("raw", L_hat), ("rounded", max(1, round(L_hat)))):
+            P_hat = total_params(d_hat, L, V, kv, ffn, tied)
+            out[f"P_hat_{label}_{rounding}"] = P_hat
+            out[f"P_err_{label}_{rounding}"] = float(relative_error(P_hat, record["P"]))
+    return out
+
+
+def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict, d_key: str) -> dict:
+    """L_hat, P_hat of record ``g`` (timed on its platform), calibrated on the other references:
+    beta, alpha, gamma^ref on the reference platform's records, gamma^tgt on g's platform's (Eqs. 6-10, 3)."""
+    def others(records: list[dict], among: set[str] | None = None) -> list[dict]:
+        return [r for r in records if r["role"] == "reference" and r["model"] != g["model"] and (among is None or r["model"] in among)]
+
+    ref, tgt = others(reference), others(platform)
+    tgt_on_ref = others(reference, {r["model"] for r in tgt})
+    discard = timing["discard"]
+    d_hat = float(g[d_key])
+    row = {"model": g["model"], "role": g["role"], "platform": g["platform"], "d_source": "d_hat" if d_key == "d_used" else "true d",
+           "d_used": d_hat, "L_true": g["L"], "P_true": g["P"], "lengths": g["ell"], "trials": g["trials"], "tokens": g["tokens"]}
+    try:
+        if min(len(ref), len(tgt_on_ref)) < 2:
+            raise NVError(f"the fits need two reference models besides {g['model']} on each platform")
+        est = cross_platform_depth(timings(ref, discard, "d"), timings(tgt, discard, "d"), timings([g], discard, d_key),
+                                   timings(tgt_on_ref, discard, "d"))
+        if not est.L_hat > 0:
+            raise NVError(f"L_hat = {est.L_hat:.3g}: the timings do not grow with ell^2 d (too noisy or too short)")
+    except NVError as exc:  # a fit that cannot give a depth is reported, not fatal
+        return row | {"note": str(exc)}
+    return row | {"L_hat": est.L_hat, "L_hat_rounded": max(1, round(est.L_hat)), "L_err": float(relative_error(est.L_hat, g["L"])),
+                  "L_err_rounded": float(relative_error(max(1, round(est.L_hat)), g["L"])), "beta": est.reference.slope,
+                  "alpha": est.reference.intercept, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
+                  "gamma_g": est.gamma_g.slope, "k": est.k, "note": ""} | param_estimates(g, d_hat, est.L_hat, timing)
+
+
+def evaluate(records: dict[str, list[dict]], timing: dict) -> pd.DataFrame:
+    """Every model held out on every platform (the reference platform is the first), with the d the
+    attack knows (d_hat for the target); the target also with its true d, as the paper's figures assume."""
+    reference = next(iter(records))
+    rows = []
+    for platform, recs in records.items():
+        for g in recs:
+            rows.append(held_out(records[reference], recs, g, timing, "d_used"))
+            if g["role"] == "target":
+                rows.append(held_out(records[reference], recs, g, timing, "d"))
+    table = pd.DataFrame(rows)
+    table.insert(3, "calibration", np.where(table.platform == reference, "same platform", f"{reference} -> " + table.platform))
+    return table
+
+METRIC_KEYS = ["model", "calibration", "d_source", "d_used", "L_true", "L_hat", "L_hat_rounded", "L_err", "P_true",
+               "P_hat_registry_raw", "P_err_registry_raw", "P_hat_paper_raw", "P_err_paper_raw", "beta", "alpha", "k",
+               "lengths", "trials", "tokens", "note"]
+
+
+def metrics(table: pd.DataFrame, timing: dict) -> dict:
+    """``metrics/timing.json``: the attacked model's rows in full, and the references' mean errors."""
+    target = table[table.role == "target"]
+    refs = table[table.role == "reference"].groupby("calibration")
+    return {
+        "target": [{k: _json(row.get(k)) for k in METRIC_KEYS} for row in target.to_dict("records")],
+        "references_mean": {c: {"L_err": _json(g.L_err.mean()), "P_err_registry_raw": _json(g.P_err_registry_raw.mean()),
+                                "P_err_paper_raw": _json(g.P_err_paper_raw.mean()), "models": len(g),
+                                "failed": int(g.L_hat.isna().sum())} for c, g in refs},
+        "platforms": timing["platforms"],
+        "discard": timing["discard"],
+    }
+
+
+def _json(value):
+    """NaN (no estimate) as null; numpy scalars as Python numbers."""
+    if isinstance(value, float | np.floating) and not np.isfinite(value):
+        return None
+    return value.item() if isinstance(value, np.generic) else value

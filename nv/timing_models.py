@@ -1,0 +1,149 @@
+"""The models timed by phase 2 and the platforms they are timed on (Stage 1 of Fig. algo_timing).
+
+A platform is an oracle backend with its own settings: ``inprocess`` (the model's forward pass in
+this process, the reference platform here) or ``llamacpp`` (a llama.cpp server on 127.0.0.1 reached
+over its OpenAI-compatible HTTP API, timed from request to first token). Attack code sees only
+``Oracle.time_request``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nv.errors import NVError
+from nv.model import LoadedModel, default_cache_dir, embedded_gguf, load_model, resolve
+from nv.oracle import Oracle, Simulator
+from nv.reference_family import random_llama, shape_from_entry, write_gguf
+from nv.timing import collect_timings, summarize
+from nv.timing_fit import sweep_lengths
+
+
+@dataclass
+class TimedModel:
+    """One model of F or the target g: its true facts (never read by the attack) and what the attack
+    uses: the d of the fits and the shape of its App. D sweep (true d, d_kv, d_ffn for references;
+    d_hat and the default ratios for the target)."""
+
+    name: str
+    role: str  # "reference" or "target"
+    lm: LoadedModel
+    d_used: int
+    d_kv_used: float
+    d_ffn_used: float
+    p_max: int
+    gguf: Path | None = None  # the file a llama.cpp server serves
+
+    def lengths(self, r: float, n: int) -> np.ndarray:
+        """App. D sweep with the platform's crossover ratio r (Eq. 11)."""
+        return sweep_lengths(self.d_used, self.d_kv_used, self.d_ffn_used, self.p_max, r, n)
+
+    def facts(self) -> dict:
+        a = self.lm.arch
+        return {"model": self.name, "role": self.role, "d": a.d, "L": a.L, "P": a.params, "vocab_size": a.vocab_size,
+                "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads, "d_ffn": a.d_ffn, "tied": a.tied_embeddings,
+                "d_used": self.d_used}
+
+
+def reference_model(name: str, entry: dict, target: LoadedModel, seed: int) -> TimedModel:
+    """A random-weight LLaMA of the family with the target's tokenizer and context length."""
+    shape = shape_from_entry(entry, target.arch.vocab_size, target.arch.max_positions)
+    lm = random_llama(shape, target.tokenizer, str(target.model.dtype).removeprefix("torch."), seed, name)
+    return TimedModel(name, "reference", lm, shape.d, shape.d_kv, shape.d_ffn, shape.max_positions)
+
+
+def target_model(model: dict, timing: dict, target: dict, d_hat: int) -> TimedModel:
+    """The attacked model: its d_kv and d_ffn are unknown, so its sweep takes d_hat and the default ratios."""
+    lm = load_model(model["spec"], dtype=model["dtype"])
+    source, gguf = resolve(model["spec"])
+    return TimedModel(model["spec"], "target", lm, d_hat, timing["kv_ratio"] * d_hat, timing["ffn_ratio"] * d_hat,
+                      target["p_max"], Path(source) / gguf if gguf else None)
+
+
+def platforms_of(model: TimedModel, timing: dict) -> list[str]:
+    """The platforms timing ``model``: the target on all, a reference where its ``references`` lists it."""
+    return [name for name, cfg in timing["platforms"].items()
+            if model.role == "target" or cfg["references"] == "all" or model.name in cfg["references"]]
+
+
+def _gguf_for(model: TimedModel, seed: int) -> Path:
+    """The GGUF a llama.cpp server serves: the target's own file, or the reference written once (cached)."""
+    if model.gguf is not None:
+        return model.gguf
+    if model.role == "target":
+        raise NVError(f"the llamacpp platform needs a GGUF target; {model.name} is not one")
+    key = hashlib.sha256(json.dumps([model.facts(), seed]).encode()).hexdigest()[:12]
+    path = default_cache_dir() / "reference-gguf" / f"{model.name}-{key}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(model.lm, embedded_gguf(), path)
+    model.gguf = path
+    return path
+
+
+@contextmanager
+def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, seed: int) -> Iterator[Oracle]:
+    """An oracle serving ``model`` on ``platform`` with ``threads`` CPU threads (a llama.cpp server
+    with an ``n_ctx`` context is started and stopped here)."""
+    if platform == "inprocess":
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield Simulator(model.lm, template=True, batch_size=1)
+        finally:
+            torch.set_num_threads(before)
+    elif platform == "llamacpp":
+        from nv.llama_server import LlamaServer
+        from nv.oracle.http import HTTPOracle
+
+        with LlamaServer(_gguf_for(model, seed), n_ctx=n_ctx, n_threads=threads) as server:
+            oracle = HTTPOracle(server.base_url, server.model_name)
+            try:
+                yield oracle
+            finally:
+                oracle.close()
+    else:
+        raise NVError(f"unknown timing platform {platform!r}")
+
+
+def time_model(model: TimedModel, timing: dict, seed: int, out_dir: Path, checkpoints: Path, progress: bool = True) -> dict:
+    """Time ``model`` on each of its platforms; write ``<platform>.json`` per platform (facts, raw
+    trials, App. D summary) to ``out_dir`` and return them by platform."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for platform in platforms_of(model, timing):
+        cfg = timing["platforms"][platform]
+        lengths = model.lengths(cfg["r"], timing["n_lengths"])
+        run_id = {**model.facts(), "platform": platform, **cfg}
+        checkpoint = checkpoints / f"timing-{model.name}-{platform}.jsonl"
+        with platform_oracle(platform, model, cfg["threads"], int(lengths.max()) + 256, seed) as oracle:
+            rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint, run_id, progress)
+        stats = summarize(rows, timing["trim"])
+        record = {**model.facts(), "platform": platform, "r": cfg["r"], "lengths": lengths.tolist(), "trials": cfg["trials"],
+                  "rows": [asdict(r) for r in rows],
+                  "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),
+                  "tokens": int(stats["tokens"])}
+        (out_dir / f"{platform}.json").write_text(json.dumps(record, indent=1))
+        checkpoint.unlink()
+        results[platform] = record
+    return results
+
+
+def target_d_hat(setting: str | int, metrics: Path) -> int:
+    """The d_hat the target's sweep and fits use: phase 1's snapped estimate, or a given int."""
+    if setting != "phase1":
+        return int(setting)
+    if not metrics.is_file():
+        raise NVError(f"{metrics} is missing: run phase 1 (dvc repro spectrum) or set timing_target.d_hat to an int")
+    record = json.loads(metrics.read_text())
+    if not record.get("d_hat"):
+        raise NVError(f"phase 1 found no hidden dimension ({record.get('reason')}): raise its budget or set timing_target.d_hat")
+    return int(record["d_hat"])

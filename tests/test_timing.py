@@ -1,0 +1,172 @@
+"""Phase 2 collection (nv.timing) on the real embedded model in process, the random-weight reference
+family (nv.reference_family) and the leave-one-out evaluation (nv.timing_eval)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nv.errors import NVError
+from nv.oracle import Simulator
+from nv.reference_family import Shape, random_llama, shape_from_entry, write_gguf
+from nv.timing import BASELINE, collect_timings, summarize, timing_prompt
+from nv.timing_eval import evaluate, held_out
+from nv.timing_fit import scaling_relation
+
+LENGTHS = [48, 96]
+RUN = {"model": "embedded", "platform": "inprocess"}
+
+
+class CountingSimulator(Simulator):
+    """The real simulator, recording the token count of every timed call (the test's probe)."""
+
+    def __init__(self, lm):
+        super().__init__(lm, batch_size=1)
+        self.sent: list[int] = []
+
+    def time_request(self, prompt):
+        call = super().time_request(prompt)
+        self.sent.append(call.prompt_tokens)
+        return call
+
+
+def test_fresh_random_prefix_per_trial():
+    rng = np.random.default_rng(0)
+    a, b = timing_prompt(300, rng), timing_prompt(300, rng)
+    assert a != b and a[:20] != b[:20]
+    assert a.endswith(b[-200:])  # same passage, different prefix
+
+
+def test_real_inprocess_timing_run(lm32, tmp_path):
+    oracle = CountingSimulator(lm32)
+    rows = collect_timings(oracle, LENGTHS, trials=3, warmups=3, seed=1, checkpoint=tmp_path / "t.jsonl", run_id=RUN, progress=False)
+    assert [r.target for r in rows] == [BASELINE, *LENGTHS]
+    assert len(oracle.sent) == 3 + 3 * 3  # warm-ups + baseline + two lengths
+    for row in rows[1:]:  # the backend's own count lands near the aim (the random prefix varies by a few tokens)
+        assert len(row.seconds) == 3 and all(abs(n - row.target) <= 8 for n in row.ell)
+    stats = summarize(rows, trim=0.0)
+    assert stats["ell"].tolist() == [np.mean(r.ell) for r in rows[1:]]
+    base = np.mean(rows[0].seconds)
+    assert np.allclose(stats["T"], [np.mean(r.seconds) - base for r in rows[1:]])
+    assert np.all(stats["sigma"] > 0)
+
+
+def test_interrupted_run_resumes_from_measured_lengths(lm32, tmp_path):
+    checkpoint = tmp_path / "t.jsonl"
+    first = CountingSimulator(lm32)
+    full = collect_timings(first, LENGTHS, 2, 2, 5, checkpoint, RUN, progress=False)
+    lines = checkpoint.read_text().splitlines()
+    assert len(lines) == 1 + 3  # header, baseline, two lengths
+    # interrupt: the last length's line was torn mid-write
+    checkpoint.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    again = CountingSimulator(lm32)
+    resumed = collect_timings(again, LENGTHS, 2, 2, 5, checkpoint, RUN, progress=False)
+    assert len(again.sent) == 2 + 2  # warm-ups and the one torn length only
+    assert [r.target for r in resumed] == [r.target for r in full]
+    assert [r.ell for r in resumed] == [r.ell for r in full]  # prompts depend on (seed, length) only
+    assert all(json.loads(x) for x in checkpoint.read_text().splitlines())  # the torn line is gone
+    third = CountingSimulator(lm32)
+    collect_timings(third, LENGTHS, 2, 2, 5, checkpoint, RUN, progress=False)
+    assert third.sent == []  # complete: nothing is timed again
+    other = CountingSimulator(lm32)
+    collect_timings(other, LENGTHS, 2, 2, 6, checkpoint, RUN, progress=False)  # another seed: starts over
+    assert len(other.sent) == 2 + 3 * 2
+
+
+def test_bad_timing_requests_are_refused(lm32, tmp_path):
+    with pytest.raises(NVError, match="trials"):
+        collect_timings(Simulator(lm32), LENGTHS, 1, 3, 0, tmp_path / "a", RUN, progress=False)
+    with pytest.raises(NVError, match="lengths"):
+        collect_timings(Simulator(lm32), [1, 50], 2, 3, 0, tmp_path / "b", RUN, progress=False)
+    with pytest.raises(NVError, match="warm-up"):
+        collect_timings(Simulator(lm32), LENGTHS, 2, 1, 0, tmp_path / "c", RUN, progress=False)
+
+
+def test_random_llama_has_the_requested_shape(lm32):
+    shape = shape_from_entry({"d": 128, "L": 3, "n_kv_heads": 1, "d_ffn": 320}, lm32.arch.vocab_size, 512)
+    lm = random_llama(shape, lm32.tokenizer, "float32", seed=0, name="tiny")
+    a = lm.arch
+    assert (a.d, a.L, a.n_heads, a.n_kv_heads, a.d_ffn, a.vocab_size, a.tied_embeddings) == (128, 3, 2, 1, 320, lm32.arch.vocab_size, False)
+    assert Simulator(lm, batch_size=1).time_request("hello").prompt_tokens > 1
+    again = random_llama(shape, lm32.tokenizer, "float32", seed=0, name="tiny")
+    assert all(np.array_equal(x, y) for x, y in zip(lm.model.state_dict().values(), again.model.state_dict().values()))
+    with pytest.raises(NVError, match="multiple of the head size"):
+        shape_from_entry({"d": 100, "L": 3, "n_kv_heads": 1, "d_ffn": 320}, 10, 512)
+    with pytest.raises(NVError, match="KV groups"):
+        Shape(128, 3, 2, 3, 320, 10, 512)
+
+
+def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
+    import gguf
+
+    from nv.model import embedded_gguf
+
+    shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
+    path = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), embedded_gguf(), tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(str(path))
+    kinds = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in reader.tensors}
+    assert kinds["blk.1.ffn_down.weight"] == ("Q4_1", [256, 128])
+    assert kinds["blk.0.attn_k.weight"] == ("Q4_1", [128, 64])
+    assert kinds["output.weight"] == ("Q8_0", [128, lm32.arch.vocab_size])
+    assert kinds["output_norm.weight"][0] == "F32"
+    assert reader.fields["llama.block_count"].contents() == 2
+    assert reader.fields["llama.embedding_length"].contents() == 128
+    assert reader.fields["tokenizer.chat_template"].contents().startswith("{%")
+    assert not (tmp_path / "tiny.tmp").exists()
+
+
+def _record(name, role, L, d, d_used, beta, alpha, platform, rng, k=1.0):
+    """A timing record as time_model writes it, with T from Eq. 2 (times k) plus 1 % noise."""
+    ell = np.linspace(0.5, 1.5, 16) * 5 * d
+    T = scaling_relation(k * beta, alpha, L, d, ell) * (1 + 0.01 * rng.standard_normal(len(ell)))
+    return {"model": name, "role": role, "platform": platform, "L": L, "d": d, "d_used": d_used, "P": 1e8, "vocab_size": 49152,
+            "n_heads": d // 64, "n_kv_heads": 2, "d_ffn": 3 * d, "tied": False, "ell": ell.tolist(), "T": T.tolist(),
+            "sigma": (0.01 * T).tolist(), "trials": 10, "tokens": 1}
+
+
+TIMING = {"discard": 4, "kv_ratio": 0.25, "ffn_ratio": 3.5}
+
+
+def test_leave_one_out_recovers_depth_on_both_platforms():
+    rng = np.random.default_rng(0)
+    family = [(f"r{i}", L, d) for i, (L, d) in enumerate([(12, 384), (24, 384), (16, 512), (32, 512), (20, 640), (28, 768)])]
+    records = {}
+    for platform, k, refs in (("inprocess", 1.0, family), ("llamacpp", 3.0, family[::2])):  # a subset on the second
+        recs = [_record(name, "reference", L, d, d, 2e-12, 0.01, platform, rng, k) for name, L, d in refs]
+        recs.append(_record("g", "target", 30, 576, 600, 2e-12, 0.01, platform, rng, k))
+        records[platform] = recs
+    table = evaluate(records, TIMING)
+    refs = table[table.role == "reference"]
+    assert len(refs) == 6 + 3 and np.all(refs.L_err < 0.05)
+    cross = refs[refs.platform == "llamacpp"]
+    assert np.allclose(cross.k, 3.0, rtol=0.05) and np.allclose(refs[refs.platform == "inprocess"].k, 1.0)
+    target = table[table.role == "target"].set_index(["platform", "d_source"])
+    assert abs(target.loc[("inprocess", "true d"), "L_hat"] - 30) < 1.5
+    # with d_hat = 600 > d = 576 the slope per unit ell^2 d_hat shrinks: L_hat = 30 * 576 / 600
+    assert abs(target.loc[("llamacpp", "d_hat"), "L_hat"] - 30 * 576 / 600) < 1.5
+    lone = held_out(records["inprocess"][:2], records["inprocess"][:2], records["inprocess"][0], TIMING, "d_used")
+    assert "two reference models" in lone["note"] and "L_hat" not in lone  # reported, not fatal
+
+
+def test_real_timing_through_a_llamacpp_server(lm32):
+    """Both timed models of a cross-platform run on the real llama.cpp server (HTTP, 127.0.0.1):
+    the embedded GGUF target and a random-weight reference written as GGUF on the fly."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by `make test`")
+    from nv.model import embedded_gguf
+    from nv.timing_models import TimedModel, platform_oracle
+
+
+    shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
+    reference = TimedModel("tiny", "reference", random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), 128, 64, 256, 512)
+    target = TimedModel("embedded", "target", lm32, 576, 144, 2016, 8192, gguf=embedded_gguf())
+    for model in (reference, target):
+        with platform_oracle("llamacpp", model, threads=2, n_ctx=512, seed=0) as oracle:
+            rows = collect_timings(oracle, LENGTHS, 2, 2, 0, Path(tempfile.mkdtemp()) / "t.jsonl", {"model": model.name}, progress=False)
+            assert oracle.cost.calls == 2 + 3 * 2
+        for row in rows[1:]:
+            assert all(abs(n - row.target) <= 8 for n in row.ell)
+        assert all(s > 0 for r in rows for s in r.seconds)
