@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+SERVER := $(VENV)/.server-installed
 export JUPYTER_PREFER_ENV_PATH := 1
 export HF_HUB_OFFLINE ?= 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: repro test bench lab clean-venv
+.PHONY: repro test bench lab server serve clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +18,27 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
-repro: $(STAMP)
+# llama.cpp server (phase 2's second timing platform, the live endpoint of the tests, `make serve`): built
+# from source, ~8 min on 2 cores the first time, then from pip's wheel cache.
+$(SERVER): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet 'llama-cpp-python[server]==0.3.36'
+	touch $@
+
+server: $(SERVER)
+
+# Serve a GGUF on 127.0.0.1 (OpenAI-compatible, log-probs on): `make serve [GGUF=file.gguf] [PORT=8080]`.
+GGUF  ?= embedded
+PORT  ?= 8080
+serve: $(SERVER)
+	$(BIN)/python -m nv.llama_server --model $(GGUF) --port $(PORT)
+
+# make repro PROFILE=paper: first merge profiles/paper.yaml into params.yaml in place (nv/profile.py)
+repro: $(STAMP) $(SERVER)
 	$(BIN)/dvc pull --quiet data.dvc
+	$(if $(PROFILE),$(BIN)/python -m nv.profile apply profiles/$(PROFILE).yaml)
 	$(BIN)/dvc repro
 
-test: $(STAMP)
+test: $(STAMP) $(SERVER)
 	$(BIN)/dvc pull --quiet data.dvc
 	$(BIN)/python -m pytest
 

@@ -1,4 +1,5 @@
-"""The ``nv`` command line: ``nv attack --simulate MODEL`` runs phase 1 on a local model.
+"""The ``nv`` command line: ``nv attack`` runs phase 1 on a local model (``--simulate MODEL``) or
+on a live OpenAI-compatible endpoint (``--base-url URL --model NAME``, see ``nv.live``).
 
 Every NVError becomes one line on stderr and exit status 2; no traceback.
 """
@@ -28,6 +29,10 @@ def _writable(folder: Path) -> Path:
 
 
 def attack(args: argparse.Namespace) -> int:
+    if (args.simulate is None) == (args.base_url is None):
+        raise NVError("give exactly one target: --simulate MODEL or --base-url URL --model NAME")
+    if args.base_url is not None:
+        return attack_live(args)
     from nv.oracle import Simulator
     from nv.phase1 import run
 
@@ -41,16 +46,81 @@ def attack(args: argparse.Namespace) -> int:
     return 0
 
 
+def attack_live(args: argparse.Namespace) -> int:
+    from nv import live
+    from nv.oracle.http import Budget
+
+    if not args.model:
+        raise NVError("--base-url needs --model NAME (the model id the endpoint serves)")
+    if args.budget_money is not None and args.price_per_mtok is None:
+        raise NVError("--budget-money needs --price-per-mtok (the price of a million billed tokens)")
+    params = load_params(args.params, PHASE1_SECTIONS + ["live"])
+    budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
+    plan = live.plan(params, budget)
+    if args.dry_run:
+        print(live.format_plan(plan, params, args.model, args.base_url))
+        live.check_budget(plan, budget)
+        print(json.dumps(plan))
+        return 0
+    timing = None
+    if args.timing_calibration:
+        from nv.live_timing import load_calibration
+
+        timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
+                  "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
+    out = _writable(Path(args.out))
+    journal = Path(args.journal) if args.journal else out / "journal.jsonl"
+    record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
+    keys = ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")
+    summary = {k: record[k] for k in keys} | {"cost": record["cost"]}
+    if "timing" in record:
+        summary["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "P_hat", "note")}
+    print(json.dumps(summary))
+    return 0
+
+
+def _count(text: str) -> int:
+    value = float(text)
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return int(value)
+
+
+def _amount(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nv", description="NightVision: black-box inference of d, L and P.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("attack", help="run the attack and write report.json")
-    p.add_argument("--simulate", metavar="MODEL", required=True,
-                   help="attack a local model through the simulator: 'embedded', a HF id, a folder or a .gguf file")
-    p.add_argument("--params", default="params.yaml", help="params file (sections model, search, sampling, spectrum)")
+    target = p.add_argument_group("target (exactly one)")
+    target.add_argument("--simulate", metavar="MODEL",
+                        help="attack a local model through the simulator: 'embedded', a HF id, a folder or a .gguf file")
+    target.add_argument("--base-url", metavar="URL", help="attack an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8080/v1")
+    target.add_argument("--model", metavar="NAME", help="with --base-url: the model id the endpoint serves")
+    live = p.add_argument_group("live endpoint (with --base-url)")
+    live.add_argument("--journal", metavar="PATH", help="journal of paid replies (default OUT/journal.jsonl); a rerun resumes from it")
+    live.add_argument("--budget-tokens", type=_count, metavar="X", help="cap on billed tokens (prompt tokens once per request + output)")
+    live.add_argument("--budget-calls", type=_count, metavar="X", help="cap on API requests")
+    live.add_argument("--budget-money", type=_amount, metavar="X", help="cap on money (needs --price-per-mtok)")
+    live.add_argument("--price-per-mtok", type=_amount, metavar="X", help="price of one million billed tokens")
+    live.add_argument("--dry-run", action="store_true", help="print the planned calls and tokens, send nothing")
+    phase2 = p.add_argument_group("phase 2, timing (with --base-url)")
+    phase2.add_argument("--timing-calibration", metavar="FILE",
+                        help="outputs/timing_fit/calibration.json: after phase 1, time the endpoint and report L_hat (and P_hat)")
+    phase2.add_argument("--timing-k", type=float, default=1.0, metavar="K",
+                        help="platform transfer factor k of Eq. 8 (default 1: the endpoint runs on the calibration's platform)")
+    phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (Eq. 3)")
+    phase2.add_argument("--context-length", type=_count, default=8192, metavar="P", help="the endpoint's context p_max (sweep cap)")
+    phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
+    p.add_argument("--params", default="params.yaml", help="params file (sections model, search, sampling, spectrum; live with --base-url)")
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
     try:
         return attack(args)
     except NVError as exc:

@@ -172,6 +172,10 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
     else:
         model, tokenizer = _from_pretrained(source, None, dtype)
     model.eval()
+    import torch
+
+    if torch.cuda.is_available():  # the paper profile's GPU machines; everything here runs on the CPU
+        model.to("cuda")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, arch=architecture(model))

@@ -35,7 +35,21 @@ _D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and 
 
 
 class EachOf(dict):
-    """Schema of a mapping whose every value (e.g. one reference model) follows the same schema."""
+    """Schema of a mapping whose every value (e.g. one reference model) follows the same schema,
+    or one of the ``alternatives`` (chosen by its exact set of keys)."""
+
+    def __init__(self, schema: dict, *alternatives: dict) -> None:
+        super().__init__(schema)
+        self.alternatives = (dict(schema), *alternatives)
+
+    def schema_for(self, name: str, entry: dict) -> dict:
+        if len(self.alternatives) == 1:
+            return self.alternatives[0]
+        match = next((a for a in self.alternatives if set(a) == set(entry)), None)
+        if match is None:
+            options = " or ".join("{" + ", ".join(a) + "}" for a in self.alternatives)
+            raise NVError(f"params: '{name}' must have exactly the keys {options}, got {{{', '.join(entry)}}}")
+        return match
 
 
 class Platforms(EachOf):
@@ -119,7 +133,9 @@ SCHEMA: dict[str, dict] = {
         "ffn_ratio": _POS_NUM,
     },
     "timing_target": {"p_max": _POS_INT, "d_hat": _D_HAT},
-    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}),
+    "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper")},
+    # a random-weight shape (CPU default), or {spec: a hub id / folder / .gguf} of a real model (GPU profile)
+    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR}),
 }
 
 
@@ -140,7 +156,7 @@ def _check(name: str, section: dict, schema: dict) -> dict:
         for key, entry in section.items():
             if not isinstance(entry, dict):
                 raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
-            _check(f"{name}.{key}", entry, dict(schema))
+            _check(f"{name}.{key}", entry, schema.schema_for(f"{name}.{key}", entry))
         return section
     unknown = sorted(set(section) - set(schema)) if schema else []
     if unknown:

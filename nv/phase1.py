@@ -35,7 +35,15 @@ def common_set(sampled: SampledMatrix) -> CommonSet:
 
 
 def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
-    """Both estimators on the same matrix, hyperparameters from params.yaml's ``spectrum``."""
+    """Both estimators on the same matrix, hyperparameters from params.yaml's ``spectrum``.
+
+    A common set below 2 x 2 (a budget far too small) has no spectrum: robust reports not
+    saturated with lower bound 0, paper no saddle."""
+    if min(Y.shape) < 2:
+        none = np.empty(0)
+        diag = {"lambda": none, "a": none, "s_tilde": none, "sigma": none}
+        return {"robust": SpectrumEstimate("robust", False, None, None, spectrum["robust"]["g"], 0, "not saturated", diag),
+                "paper": SpectrumEstimate("paper", False, None, None, spectrum["paper"]["g"], None, "no saddle", diag)}
     return {m: estimate(Y, m, **spectrum[m]) for m in ("robust", "paper")}
 
 

@@ -72,18 +72,23 @@ def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
 
 def errors(table: pd.DataFrame):
     """Fig. val_plot_n_layers / cross_gpu: relative error of L_hat and P_hat per model and calibration;
-    dark bars raw, light bars with L_hat rounded to an integer. P_hat uses the true ratios when known."""
+    dark bars: the basic estimator of §4.2 (Eq. 9), light: the same with L_hat rounded to an integer,
+    hatched: Eq. 10's gamma_g / (k beta). P_hat uses the true ratios (registry)."""
     rows = table[table.d_source == "d_hat"]
     groups = list(dict.fromkeys(rows.calibration))
-    fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 6.4), squeeze=False, sharey="row")
+    fig, axes = plt.subplots(2, len(groups), figsize=(6.5 * len(groups), 6.6), squeeze=False, sharey="row")
     for c, group in enumerate(groups):
         sub = rows[rows.calibration == group]
         x = np.arange(len(sub))
-        for r, (what, raw, rounded) in enumerate([("L", "L_err", "L_err_rounded"),
-                                                  ("P", "P_err_registry_raw", "P_err_registry_rounded")]):
-            ax = axes[r, c]
-            ax.bar(x - 0.2, 100 * sub[raw], 0.4, color="C0" if what == "L" else "C2", label="raw")
-            ax.bar(x + 0.2, 100 * sub[rounded], 0.4, color="C0" if what == "L" else "C2", alpha=0.4, label="L_hat rounded")
+        for r, (what, col) in enumerate([("L", "L_err{}"), ("P", "P_err_registry_raw{}")]):
+            ax, color = axes[r, c], "C0" if what == "L" else "C2"
+            rounded = "L_err_rounded" if what == "L" else "P_err_registry_rounded"
+            ax.bar(x - 0.27, 100 * sub[col.format("")], 0.27, color=color, label="basic (Eq. 9)")
+            ax.bar(x, 100 * sub[rounded], 0.27, color=color, alpha=0.4, label="basic, L_hat rounded")
+            ax.bar(x + 0.27, 100 * sub[col.format("_eq10")], 0.27, color="white", edgecolor=color, hatch="///",
+                   label="gamma_g / (k beta) (Eq. 10)")
+            for xi in x[sub[col.format("")].isna().to_numpy()]:
+                ax.text(xi - 0.27, 0, "no fit", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4")
             ax.set_xticks(x, [m + (" *" if role == "target" else "") for m, role in zip(sub.model, sub.role)], rotation=35,
                           ha="right", fontsize=7)
             ax.set(ylabel=f"relative error of {what}_hat (%)", title=f"{group}: {what}_hat")

@@ -141,25 +141,41 @@ def robust(Y, *, g=64, z_min=8.0, min_ratio=1.05, min_side=5, w_min=10, w_frac=0
     """Scale-free drop detector on the row-centred spectrum (the project default).
 
     Row-centring Y removes the per-row log-partition offset and leaves a signal of rank <= d;
-    the centred matrix has rank <= n := min(D', |C| - 1). From sigma_i = sqrt(lambda_i) of its
-    float64 Gram matrix, l_i = log sigma_i and the log-gaps gap_k = l_k - l_{k+1}, a drop after
-    index k scores z_k = gap_k / max(median of the W gaps left of k, median of the W gaps right
-    of k), W = max(w_min, floor(w_frac * n)). Only k with >= min_side gaps on each side are
-    eligible, so the steep ends of a noise spectrum (runs of large gaps) never look isolated.
-    The best k is accepted as d_hat_raw if z_k >= z_min and sigma_k / sigma_{k+1} >= min_ratio,
-    and d_hat = g * ceil(k / g) (g = 64: a raw 575 or 576 both give 576).
-    Otherwise the result is "not saturated" with lower_bound = the number of sigma_i above the
-    Gavish-Donoho threshold omega(beta) * median(sigma), beta = aspect ratio; signal in the
-    median only raises that threshold, so the bound stays conservative (<= n in any case).
-    Only ratios of sigma_i enter, so the result is invariant to rescaling Y.
-    Diagnostics: sigma, log_sigma, gaps (entry k-1 is gap_k), z (NaN where ineligible),
-    window W, k_best.
+    the centred matrix has rank <= n := min(D', |C| - 1). Its float64 Gram matrix gives
+    sigma_1 >= ... >= sigma_n, which `robust_from_singular_values` scores with beta = the
+    aspect ratio of Y.
     """
     Y = _check(Y)
     Yc = Y - Y.mean(axis=1, keepdims=True)
     n = min(Yc.shape[0], Yc.shape[1] - 1)
     sigma = np.sqrt(gram_eigenvalues(Yc)[:n])
     beta = min(Yc.shape) / max(Yc.shape)
+    return robust_from_singular_values(sigma, beta, g=g, z_min=z_min, min_ratio=min_ratio, min_side=min_side,
+                                       w_min=w_min, w_frac=w_frac)
+
+
+def robust_from_singular_values(
+    sigma, beta: float, *, g=64, z_min=8.0, min_ratio=1.05, min_side=5, w_min=10, w_frac=0.05
+) -> SpectrumEstimate:
+    """The robust detector on the row-centred singular values sigma_i (descending).
+
+    With l_i = log sigma_i and the log-gaps gap_k = l_k - l_{k+1}, a drop after index k scores
+    z_k = gap_k / max(median of the W gaps left of k, median of the W gaps right of k),
+    W = max(w_min, floor(w_frac * n)). Only k with >= min_side gaps on each side are
+    eligible, so the steep ends of a noise spectrum (runs of large gaps) never look isolated.
+    The best k is accepted as d_hat_raw if z_k >= z_min and sigma_k / sigma_{k+1} >= min_ratio,
+    and d_hat = g * ceil(k / g) (g = 64: a raw 575 or 576 both give 576).
+    Otherwise the result is "not saturated" with lower_bound = the number of sigma_i above the
+    Gavish-Donoho threshold omega(beta) * median(sigma), beta = aspect ratio of the matrix;
+    signal in the median only raises that threshold, so the bound stays conservative (<= n).
+    Only ratios of sigma_i enter, so the result is invariant to rescaling Y.
+    Diagnostics: sigma, log_sigma, gaps (entry k-1 is gap_k), z (NaN where ineligible),
+    window W, k_best.
+    """
+    sigma = np.asarray(sigma, dtype=np.float64)
+    if sigma.ndim != 1 or sigma.size == 0 or not np.isfinite(sigma).all():
+        raise NVError("singular values must be a finite, non-empty 1-D array")
+    n = sigma.size
     diag = {"sigma": sigma}
 
     def not_saturated():

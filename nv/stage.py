@@ -38,6 +38,7 @@ STAGES: dict[str, Stage] = {
     "timing_reference": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing"), each="timing_family"),
     "timing_target": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing", "timing_target")),
     "timing_fit": Stage("notebooks/31_timing_fit.ipynb", ("timing", "timing_target", "timing_family")),
+    "overall": Stage("notebooks/40_overall_results.ipynb", ("timing", "timing_family", "overall")),
 }
 
 

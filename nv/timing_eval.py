@@ -20,7 +20,16 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.timing_fit import Timings, attention_regime, cross_platform_depth, relative_error, total_params
+from nv.timing_fit import (
+    Timings,
+    attention_regime,
+    cross_platform_depth,
+    depth_basic,
+    fit_gamma,
+    fit_scaling,
+    relative_error,
+    total_params,
+)
 
 
 def load_records(root: Path, family: dict, platforms: dict) -> dict[str, list[dict]]:
@@ -59,7 +68,12 @@ def timings(records: list[dict], discard: int, d_key: str = "d_used") -> Timings
     )
 
 
-def param_estimates(record: dict, d_hat: float, L_hat: float, timing: dict) -> dict:
+ESTIMATES = ["beta", "alpha", "gamma_ref", "gamma_tgt", "gamma_g", "k"] + [
+    name + suffix for suffix in ("", "_eq10") for name in ["L_hat", "L_hat_rounded", "L_err", "L_err_rounded", "note"] + [
+        f"{what}_{label}_{rounding}" for label in ("paper", "registry") for rounding in ("raw", "rounded") for what in ("P_hat", "P_err")]]
+
+
+def param_estimates(record: dict, d_hat: float, L_hat: float, timing: dict, suffix: str = "") -> dict:
     """Eq. 3 with the default ratios ('paper') and the true ratios and tying ('registry')."""
     V = record["vocab_size"]
     true_ratios = (record["n_kv_heads"] / record["n_heads"], record["d_ffn"] / record["d"], record["tied"])
@@ -67,14 +81,29 @@ def param_estimates(record: dict, d_hat: float, L_hat: float, timing: dict) -> d
     for label, (kv, ffn, tied) in {"paper": (timing["kv_ratio"], timing["ffn_ratio"], False), "registry": true_ratios}.items():
         for rounding, L in (("raw", L_hat), ("rounded", max(1, round(L_hat)))):
             P_hat = total_params(d_hat, L, V, kv, ffn, tied)
-            out[f"P_hat_{label}_{rounding}"] = P_hat
-            out[f"P_err_{label}_{rounding}"] = float(relative_error(P_hat, record["P"]))
+            out[f"P_hat_{label}_{rounding}{suffix}"] = P_hat
+            out[f"P_err_{label}_{rounding}{suffix}"] = float(relative_error(P_hat, record["P"]))
     return out
+
+
+def depth_fields(g: dict, d_hat: float, L_hat: float, timing: dict, suffix: str) -> dict:
+    """L_hat (raw, rounded), its relative errors and the P_hat that follow; a note when L_hat <= 0."""
+    if not L_hat > 0:
+        return {f"note{suffix}": f"L_hat = {L_hat:.3g}: the timings do not grow with ell^2 d (too noisy or too short)"}
+    rounded = max(1, round(L_hat))
+    return {f"L_hat{suffix}": L_hat, f"L_hat_rounded{suffix}": rounded, f"L_err{suffix}": float(relative_error(L_hat, g["L"])),
+            f"L_err_rounded{suffix}": float(relative_error(rounded, g["L"]))} | param_estimates(g, d_hat, L_hat, timing, suffix)
 
 
 def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict, d_key: str) -> dict:
     """L_hat, P_hat of record ``g`` (timed on its platform), calibrated on the other references:
-    beta, alpha, gamma^ref on the reference platform's records, gamma^tgt on g's platform's (Eqs. 6-10, 3)."""
+    beta, alpha, gamma^ref on the reference platform's records, gamma^tgt on g's platform's (Eqs. 6-10, 3).
+
+    Two depth estimators, both the paper's: ``L_hat`` is the basic estimator of §4.2, g's timings
+    solved for L in T = k beta L ell^2 d_hat + alpha (Eq. 2; Eq. 9 across platforms), the intercept
+    fixed by the references; ``L_hat_eq10`` is Fig. algo_timing's gamma_g / (k beta) (Eq. 10), whose
+    gamma_g comes with g's own free intercept zeta_g.
+    """
     def others(records: list[dict], among: set[str] | None = None) -> list[dict]:
         return [r for r in records if r["role"] == "reference" and r["model"] != g["model"] and (among is None or r["model"] in among)]
 
@@ -83,20 +112,19 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
     discard = timing["discard"]
     d_hat = float(g[d_key])
     row = {"model": g["model"], "role": g["role"], "platform": g["platform"], "d_source": "d_hat" if d_key == "d_used" else "true d",
-           "d_used": d_hat, "L_true": g["L"], "P_true": g["P"], "lengths": g["ell"], "trials": g["trials"], "tokens": g["tokens"]}
+           "d_true": g["d"], "d_used": d_hat, "L_true": g["L"], "P_true": g["P"], "lengths": g["ell"], "trials": g["trials"], "tokens": g["tokens"]}
     try:
         if min(len(ref), len(tgt_on_ref)) < 2:
             raise NVError(f"the fits need two reference models besides {g['model']} on each platform")
-        est = cross_platform_depth(timings(ref, discard, "d"), timings(tgt, discard, "d"), timings([g], discard, d_key),
-                                   timings(tgt_on_ref, discard, "d"))
-        if not est.L_hat > 0:
-            raise NVError(f"L_hat = {est.L_hat:.3g}: the timings do not grow with ell^2 d (too noisy or too short)")
+        target = timings([g], discard, d_key)
+        est = cross_platform_depth(timings(ref, discard, "d"), timings(tgt, discard, "d"), target, timings(tgt_on_ref, discard, "d"))
     except NVError as exc:  # a fit that cannot give a depth is reported, not fatal
         return row | {"note": str(exc)}
-    return row | {"L_hat": est.L_hat, "L_hat_rounded": max(1, round(est.L_hat)), "L_err": float(relative_error(est.L_hat, g["L"])),
-                  "L_err_rounded": float(relative_error(max(1, round(est.L_hat)), g["L"])), "beta": est.reference.slope,
-                  "alpha": est.reference.intercept, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
-                  "gamma_g": est.gamma_g.slope, "k": est.k, "note": ""} | param_estimates(g, d_hat, est.L_hat, timing)
+    beta, alpha = est.reference.slope, est.reference.intercept
+    basic = depth_basic(est.k * beta, alpha, d_hat, target.ell, target.T, target.sigma)
+    return (row | {"beta": beta, "alpha": alpha, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
+                   "gamma_g": est.gamma_g.slope, "k": est.k, "note": ""}
+            | depth_fields(g, d_hat, basic, timing, "") | depth_fields(g, d_hat, est.L_hat, timing, "_eq10"))
 
 
 def evaluate(records: dict[str, list[dict]], timing: dict) -> pd.DataFrame:
@@ -109,13 +137,14 @@ def evaluate(records: dict[str, list[dict]], timing: dict) -> pd.DataFrame:
             rows.append(held_out(records[reference], recs, g, timing, "d_used"))
             if g["role"] == "target":
                 rows.append(held_out(records[reference], recs, g, timing, "d"))
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*rows[0], *ESTIMATES])))  # every column, even if no fit worked
     table.insert(3, "calibration", np.where(table.platform == reference, "same platform", f"{reference} -> " + table.platform))
     return table
 
 METRIC_KEYS = ["model", "calibration", "d_source", "d_used", "L_true", "L_hat", "L_hat_rounded", "L_err", "P_true",
-               "P_hat_registry_raw", "P_err_registry_raw", "P_hat_paper_raw", "P_err_paper_raw", "beta", "alpha", "k",
-               "lengths", "trials", "tokens", "note"]
+               "P_hat_registry_raw", "P_err_registry_raw", "P_hat_paper_raw", "P_err_paper_raw", "L_hat_eq10", "L_err_eq10",
+               "P_hat_registry_raw_eq10", "P_err_registry_raw_eq10", "beta", "alpha", "k", "gamma_g", "lengths", "trials",
+               "tokens", "note", "note_eq10"]
 
 
 def metrics(table: pd.DataFrame, timing: dict) -> dict:
@@ -125,8 +154,8 @@ def metrics(table: pd.DataFrame, timing: dict) -> dict:
     return {
         "target": [{k: _json(row.get(k)) for k in METRIC_KEYS} for row in target.to_dict("records")],
         "references_mean": {c: {"L_err": _json(g.L_err.mean()), "P_err_registry_raw": _json(g.P_err_registry_raw.mean()),
-                                "P_err_paper_raw": _json(g.P_err_paper_raw.mean()), "models": len(g),
-                                "failed": int(g.L_hat.isna().sum())} for c, g in refs},
+                                "P_err_paper_raw": _json(g.P_err_paper_raw.mean()), "L_err_eq10": _json(g.L_err_eq10.mean()),
+                                "models": len(g), "failed": int(g.L_hat.isna().sum())} for c, g in refs},
         "platforms": timing["platforms"],
         "discard": timing["discard"],
     }
@@ -137,3 +166,15 @@ def _json(value):
     if isinstance(value, float | np.floating) and not np.isfinite(value):
         return None
     return value.item() if isinstance(value, np.generic) else value
+
+
+def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
+    """What a new target needs from phase 2's references (``outputs/timing_fit/calibration.json``):
+    beta, alpha of Eq. 2 and gamma^ref of Eq. 6 over every reference on the reference platform, and
+    the protocol (that platform's r and K, the sweep and fit settings) to time the target the same way."""
+    platform = next(iter(records))
+    refs = timings([r for r in records[platform] if r["role"] == "reference"], timing["discard"], "d")
+    beta, gamma = fit_scaling(refs.L, refs.d, refs.ell, refs.T, refs.sigma), fit_gamma(refs.d, refs.ell, refs.T, refs.sigma)
+    return {"platform": platform, "beta": beta.slope, "alpha": beta.intercept, "gamma_ref": gamma.slope,
+            **{k: timing["platforms"][platform][k] for k in ("r", "trials")},
+            **{k: timing[k] for k in ("warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")}}

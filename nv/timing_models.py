@@ -39,6 +39,7 @@ class TimedModel:
     d_ffn_used: float
     p_max: int
     gguf: Path | None = None  # the file a llama.cpp server serves
+    synthetic: bool = False  # random weights, written as GGUF on demand
 
     def lengths(self, r: float, n: int) -> np.ndarray:
         """App. D sweep with the platform's crossover ratio r (Eq. 11)."""
@@ -52,10 +53,18 @@ class TimedModel:
 
 
 def reference_model(name: str, entry: dict, target: LoadedModel, seed: int) -> TimedModel:
-    """A random-weight LLaMA of the family with the target's tokenizer and context length."""
+    """A reference model of F: a real model ``{spec}`` (hub id, folder or .gguf; GPU profile), or a
+    random-weight LLaMA of the given shape with the target's tokenizer and context length."""
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    if "spec" in entry:
+        lm = load_model(entry["spec"], dtype=dtype)
+        source, gguf = resolve(entry["spec"])
+        a = lm.arch
+        return TimedModel(name, "reference", lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions,
+                          Path(source) / gguf if gguf else None)
     shape = shape_from_entry(entry, target.arch.vocab_size, target.arch.max_positions)
-    lm = random_llama(shape, target.tokenizer, str(target.model.dtype).removeprefix("torch."), seed, name)
-    return TimedModel(name, "reference", lm, shape.d, shape.d_kv, shape.d_ffn, shape.max_positions)
+    lm = random_llama(shape, target.tokenizer, dtype, seed, name)
+    return TimedModel(name, "reference", lm, shape.d, shape.d_kv, shape.d_ffn, shape.max_positions, synthetic=True)
 
 
 def target_model(model: dict, timing: dict, target: dict, d_hat: int) -> TimedModel:
@@ -73,11 +82,12 @@ def platforms_of(model: TimedModel, timing: dict) -> list[str]:
 
 
 def _gguf_for(model: TimedModel, seed: int) -> Path:
-    """The GGUF a llama.cpp server serves: the target's own file, or the reference written once (cached)."""
+    """The GGUF a llama.cpp server serves: the model's own file, or a random-weight reference written
+    once (cached)."""
     if model.gguf is not None:
         return model.gguf
-    if model.role == "target":
-        raise NVError(f"the llamacpp platform needs a GGUF target; {model.name} is not one")
+    if not model.synthetic:
+        raise NVError(f"the llamacpp platform serves GGUF files; {model.lm.name} is not one")
     key = hashlib.sha256(json.dumps([model.facts(), seed]).encode()).hexdigest()[:12]
     path = default_cache_dir() / "reference-gguf" / f"{model.name}-{key}.gguf"
     if not path.is_file():
@@ -104,7 +114,8 @@ def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, 
         from nv.llama_server import LlamaServer
         from nv.oracle.http import HTTPOracle
 
-        with LlamaServer(_gguf_for(model, seed), n_ctx=n_ctx, n_threads=threads) as server:
+        # no log-probs: with them llama.cpp computes logits at every prompt position (~3x the prefill here)
+        with LlamaServer(_gguf_for(model, seed), n_ctx=n_ctx, n_threads=threads, logprobs=False) as server:
             oracle = HTTPOracle(server.base_url, server.model_name)
             try:
                 yield oracle

@@ -65,3 +65,26 @@ def test_stage_cli_one_line_error_no_traceback(tmp_path, params, root):
     proc = subprocess.run([sys.executable, "-m", "nv.stage", "model_card"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: params: 'model.batch_size' must be int, got str 'lots'"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: p["timing"]["platforms"].update(gpu={"r": 0.6, "trials": 5, "threads": 1, "references": "all"}),
+         "unknown platform 'timing.platforms.gpu'"),
+        (lambda p: p["timing"]["platforms"]["inprocess"].update(trials=1), "'timing.platforms.inprocess.trials' must be >= 2"),
+        (lambda p: p["timing"]["platforms"]["llamacpp"].update(references=[]), "'all' or a non-empty list"),
+        (lambda p: p["timing_family"].update(bad={"d": 512, "spec": "x"}), r"'timing_family.bad' must have exactly the keys \{d, L, n_kv_heads, d_ffn\} or \{spec\}"),
+        (lambda p: p["timing_family"]["ref-384x12"].update(d=0), "'timing_family.ref-384x12.d' must be >= 1"),
+        (lambda p: p["timing_target"].update(d_hat="guess"), "'timing_target.d_hat' must be 'phase1' or an int"),
+    ],
+)
+def test_timing_sections_are_checked(tmp_path, params, edit, message):
+    edit(params)
+    with pytest.raises(NVError, match=message):
+        load_params(write(tmp_path, params))
+
+
+def test_a_reference_model_may_be_a_real_model_spec(tmp_path, params):
+    params["timing_family"] = {"smollm2": {"spec": "embedded"}}
+    assert load_params(write(tmp_path, params))["timing_family"] == {"smollm2": {"spec": "embedded"}}

@@ -20,10 +20,10 @@ FIGURES = [
     "temperature_entropy.png", "prompt_search.png", "sampling_distinct_tokens.png", "common_set_coverage.png",
     "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png", "expected_N_vs_D.png",
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
-    "timing_errors.png", "timing_cross_platform.png",
+    "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
-          "carlini_baseline", "timing_target", "timing_fit"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
+          "carlini_baseline", "timing_target", "timing_fit", "overall"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc(*args: str, cwd: Path) -> str:
@@ -93,30 +93,36 @@ def test_a_spectrum_parameter_reruns_only_dependent_stages(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["spectrum"]["robust"]["z_min"] = 9.0
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    before = (project / "metrics" / "hidden_dim.json").read_text()
+    watched = [project / "metrics" / "hidden_dim.json", project / "outputs" / "budget_sweep" / "sweep.csv"]
+    before = [f.read_text() for f in watched]
     stages = set(ran(dvc("repro", cwd=project)))
-    # phase 2 reads phase 1's d_hat: it reruns only if the spectrum's metrics changed
-    timing = {"timing_target", "timing_fit"} if (project / "metrics" / "hidden_dim.json").read_text() != before else set()
-    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing
+    hidden, sweep = (f.read_text() != b for f, b in zip(watched, before))
+    # phase 2 reads phase 1's d_hat, the overall stage the sweep and phase 2: they rerun only if those changed
+    timing = {"timing_target", "timing_fit"} if hidden else set()
+    overall = {"overall"} if hidden or sweep else set()
+    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing | overall
 
 
 def test_adding_a_reference_model_reruns_only_its_stage(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["timing_family"]["t-192x2"] = {"d": 192, "L": 2, "n_kv_heads": 1, "d_ffn": 384}
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    assert set(ran(dvc("repro", cwd=project))) == {"timing_reference@t-192x2", "timing_fit"}
+    assert set(ran(dvc("repro", cwd=project))) == {"timing_reference@t-192x2", "timing_fit", "overall"}
 
 
 def test_exp_run_on_one_phase1_parameter_reruns_only_dependent_stages(project):
     """`dvc exp run -S` (a reviewer's one-parameter experiment) on the committed copy runs only the stages
-    that read the parameter, and phase 2 only if phase 1's metrics changed."""
+    that read the parameter, and phase 2 and the overall stage only if their inputs changed."""
     dvc("repro", cwd=project)  # nothing after the tests above; the whole pipeline when this test runs alone
     for args in (["config", "user.name", "nv-test"], ["config", "user.email", "nv-test@localhost"], ["add", "-A"],
                  ["commit", "-q", "-m", "base"]):  # dvc exp needs a commit, and commits the experiment itself
         subprocess.run(["git", *args], cwd=project, check=True, capture_output=True, timeout=300)
-    before = (project / "metrics" / "hidden_dim.json").read_text()
+    watched = [project / "metrics" / "hidden_dim.json", project / "outputs" / "budget_sweep" / "sweep.csv"]
+    before = [f.read_text() for f in watched]
     stages = set(ran(dvc("exp", "run", "-S", "spectrum.robust.z_min=7.5", cwd=project)))
-    timing = {"timing_target", "timing_fit"} if (project / "metrics" / "hidden_dim.json").read_text() != before else set()
-    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing
+    hidden, sweep = (f.read_text() != b for f, b in zip(watched, before))
+    timing = {"timing_target", "timing_fit"} if hidden else set()
+    overall = {"overall"} if hidden or sweep else set()
+    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing | overall
     assert yaml.safe_load((project / "params.yaml").read_text())["spectrum"]["robust"]["z_min"] == 7.5
     assert len(dvc("exp", "list", "--name-only", cwd=project).split()) == 1

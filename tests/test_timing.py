@@ -161,7 +161,8 @@ def test_real_timing_through_a_llamacpp_server(lm32):
 
 
     shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
-    reference = TimedModel("tiny", "reference", random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), 128, 64, 256, 512)
+    reference = TimedModel("tiny", "reference", random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), 128, 64, 256, 512,
+                           synthetic=True)
     target = TimedModel("embedded", "target", lm32, 576, 144, 2016, 8192, gguf=embedded_gguf())
     for model in (reference, target):
         with platform_oracle("llamacpp", model, threads=2, n_ctx=512, seed=0) as oracle:
@@ -170,3 +171,25 @@ def test_real_timing_through_a_llamacpp_server(lm32):
         for row in rows[1:]:
             assert all(abs(n - row.target) <= 8 for n in row.ell)
         assert all(s > 0 for r in rows for s in r.seconds)
+
+
+def test_a_real_reference_model_keeps_its_true_shape(lm32):
+    from nv.timing_models import reference_model
+
+    real = reference_model("smollm2", {"spec": "embedded"}, lm32, seed=0)
+    assert (real.d_used, real.d_kv_used, real.d_ffn_used, real.p_max) == (576, 192, 1536, 8192)
+    assert real.gguf is not None and real.gguf.suffix == ".gguf" and not real.synthetic
+    assert real.lengths(0.6, 24)[0] == 922  # App. D sweep of the true shape: ell* = 1843
+
+
+def test_target_sweep_takes_phase1_d_hat(tmp_path):
+    from nv.timing_models import target_d_hat
+
+    metrics = tmp_path / "hidden_dim.json"
+    with pytest.raises(NVError, match="run phase 1"):
+        target_d_hat("phase1", metrics)
+    metrics.write_text(json.dumps({"d_hat": None, "reason": "not saturated"}))
+    with pytest.raises(NVError, match="not saturated"):
+        target_d_hat("phase1", metrics)
+    metrics.write_text(json.dumps({"d_hat": 640, "reason": "ok"}))
+    assert target_d_hat("phase1", metrics) == 640 and target_d_hat(576, metrics) == 576

@@ -112,13 +112,17 @@ class Simulator(Oracle):
         return out
 
     def time_request(self, prompt: str) -> TimedCall:
-        """Wall time of one full forward pass of ``prompt`` (prefill + the one output token)."""
+        """Wall time of one full forward pass of ``prompt`` (prefill + the one output token); on a
+        GPU the clock stops after the device has finished (CUDA kernels run asynchronously)."""
         import torch
 
         ids = self.format.ids(prompt)
+        device = self.lm.model.device
         with torch.inference_mode():
             start = time.perf_counter()
-            self.lm.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+            self.lm.model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
         self.cost.charge(len(ids), calls=1)
         return TimedCall(elapsed, len(ids))
@@ -135,7 +139,7 @@ class Simulator(Oracle):
 
         if self._prefix_kv is None:
             with torch.inference_mode():
-                ids = torch.tensor([self.format.shared_prefix])
+                ids = torch.tensor([self.format.shared_prefix], device=self.lm.model.device)
                 cache = self.lm.model.base_model(input_ids=ids, use_cache=True).past_key_values
             self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
         return self._prefix_kv
@@ -156,8 +160,9 @@ class Simulator(Oracle):
         suffix = [s[P:] for s in ids]
         S = max(len(s) for s in suffix)
         pad = self.lm.tokenizer.pad_token_id
-        input_ids = torch.tensor([s + [pad] * (S - len(s)) for s in suffix])
-        mask = torch.tensor([[1] * (P + len(s)) + [0] * (S - len(s)) for s in suffix])
+        device = self.lm.model.device
+        input_ids = torch.tensor([s + [pad] * (S - len(s)) for s in suffix], device=device)
+        mask = torch.tensor([[1] * (P + len(s)) + [0] * (S - len(s)) for s in suffix], device=device)
         kwargs = {}
         if P:
             cache = DynamicCache(config=self.lm.model.config)
@@ -168,15 +173,15 @@ class Simulator(Oracle):
             hidden = self.lm.model.base_model(
                 input_ids=input_ids,
                 attention_mask=mask,
-                position_ids=torch.arange(P, P + S).expand(len(ids), S),
+                position_ids=torch.arange(P, P + S, device=device).expand(len(ids), S),
                 use_cache=bool(P),
                 **kwargs,
             ).last_hidden_state
-            last = hidden[torch.arange(len(ids)), torch.tensor([len(s) - 1 for s in suffix])]
+            last = hidden[torch.arange(len(ids), device=device), torch.tensor([len(s) - 1 for s in suffix], device=device)]
             z = self.lm.model.get_output_embeddings()(last)
         if self.logit_precision == "bfloat16":
             z = z.to(torch.bfloat16)
-        return z.float().numpy().astype(np.float64)
+        return z.float().cpu().numpy().astype(np.float64)
 
     # -- logit-bias switch (simulator only) ------------------------------------------------
 

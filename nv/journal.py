@@ -1,0 +1,173 @@
+"""Append-only journal of paid API responses: nothing paid is lost, nothing completed is paid twice.
+
+JSON lines. The first line binds the file to one attack (endpoint, model and the parameters that
+shape its requests); a journal written for another binding is refused. Then one line per paid
+response, keyed by the request's identity (the SHA-256 of its exact JSON body, which carries the
+per-request seed, so the same key always means the same question), and one line per token column
+the first time a token is seen (the stable column index of Y_hat, Alg. 1).
+
+Each line goes out in one ``os.write`` on an ``O_APPEND`` descriptor as soon as its response
+arrives, and the file is fsync'ed before the response is used. A process killed mid-write leaves
+at most a torn last line: it is dropped with a warning and the file truncated to its last whole
+line; a bad line anywhere else makes the journal untrusted (an error, never silently accepted).
+An exclusive lock keeps two processes from appending to one journal. No credential is written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from nv.errors import NVError
+
+log = logging.getLogger(__name__)
+
+MAGIC = "nightvision-journal"
+VERSION = 1
+
+
+def canonical(obj) -> str:
+    """Compact, key-sorted JSON: the byte-exact form keys and bindings are compared in."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def request_key(body: dict) -> str:
+    """Identity of one request: SHA-256 of its canonical JSON body."""
+    return hashlib.sha256(canonical(body).encode()).hexdigest()
+
+
+def _first_difference(old, new, path: str = "") -> str:
+    """'key.sub was A, now B' for the first differing leaf of two JSON values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            if old.get(k, "<absent>") != new.get(k, "<absent>"):
+                return _first_difference(old.get(k, "<absent>"), new.get(k, "<absent>"), f"{path}.{k}" if path else k)
+    return f"{path or 'binding'} was {old!r}, now {new!r}"
+
+
+class Journal:
+    """Paid responses keyed by request identity, plus the token -> column map.
+
+    ``path=None`` keeps everything in memory (nothing survives the process). ``responses`` maps
+    request keys to the stored records (dicts with ``p`` prompt tokens and ``o`` output tokens as
+    the server's usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
+    """
+
+    def __init__(self, path: str | Path | None, binding: dict) -> None:
+        self.path = None if path is None else Path(path)
+        self.binding = json.loads(canonical(binding))
+        self.responses: dict[str, dict] = {}
+        self.columns: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self._fd: int | None = None
+        if self.path is not None:
+            self._open()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise NVError(f"journal {self.path} cannot be opened for writing: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise NVError(f"journal {self.path} is in use by another process") from None
+        entries = self._read_entries()
+        if not entries:
+            self._append({"journal": MAGIC, "version": VERSION, "binding": self.binding})
+            self.sync()
+            return
+        header = entries[0]
+        if header.get("journal") != MAGIC or header.get("version") != VERSION:
+            self.close()
+            raise NVError(f"{self.path} is not a NightVision journal (version {VERSION})")
+        if header.get("binding") != self.binding:
+            diff = _first_difference(header.get("binding"), self.binding)
+            self.close()
+            raise NVError(f"journal {self.path} belongs to another attack ({diff}): use a new --journal path")
+        for n, entry in enumerate(entries[1:], start=2):
+            self._load(entry, n)
+
+    def _read_entries(self) -> list[dict]:
+        raw = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
+        lines = raw.split(b"\n")
+        whole, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline (a torn write)
+        entries = []
+        for i, line in enumerate(whole):
+            try:
+                entry = json.loads(line)
+                if not isinstance(entry, dict):
+                    raise ValueError
+            except ValueError:
+                if i < len(whole) - 1 or tail:
+                    self.close()
+                    raise NVError(f"journal {self.path}: line {i + 1} is corrupt, so the journal cannot be trusted") from None
+                tail = line + b"\n"  # an unparsable last line is torn too
+                break
+            entries.append(entry)
+        if tail:
+            keep = len(raw) - len(tail)
+            log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))
+            os.ftruncate(self._fd, keep)
+            os.fsync(self._fd)
+        return entries
+
+    def _load(self, entry: dict, line: int) -> None:
+        if "r" in entry and isinstance(entry.get("d"), dict):
+            self._remember(entry["r"], entry["d"])
+        elif "v" in entry and entry.get("c") == len(self.columns):
+            self.columns[entry["v"]] = entry["c"]
+        else:
+            self.close()
+            raise NVError(f"journal {self.path}: line {line} is not a response or a column entry, so the journal cannot be trusted")
+
+    def _remember(self, key: str, record: dict) -> None:
+        self.responses[key] = record
+        self.prompt_tokens += int(record.get("p", 0))
+        self.output_tokens += int(record.get("o", 0))
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _append(self, entry: dict) -> None:
+        if self._fd is None:
+            return
+        data = (canonical(entry) + "\n").encode()
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+    def get(self, key: str) -> dict | None:
+        return self.responses.get(key)
+
+    def put(self, key: str, record: dict) -> None:
+        """Append one paid response (written at once; durable at the next ``sync``)."""
+        self._append({"r": key, "d": record})
+        self._remember(key, record)
+
+    def column(self, token: str) -> int:
+        """The stable column of a token key, assigned (and journaled) on first sight."""
+        if token not in self.columns:
+            self._append({"v": token, "c": len(self.columns)})
+            self.columns[token] = len(self.columns)
+        return self.columns[token]
+
+    def sync(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def requests(self) -> int:
+        return len(self.responses)

@@ -1,0 +1,158 @@
+"""``nv attack --base-url``: phase 1 (§4.1) against a live OpenAI-compatible endpoint.
+
+The order of work makes bad input cost nothing: params and output folder, the journal's binding,
+the free ``GET /models`` (reachable, JSON, model served), the planned calls and tokens against the
+budget, then a paid probe of two requests (log-probs present, ``n`` honoured, raw or processed), then
+the attack itself through the same ``nv.phase1.run`` as the simulator (the attack code never knows
+the backend)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from nv.errors import NVError
+from nv.journal import Journal
+from nv.oracle.http import Budget, HTTPOracle
+from nv.theory import mu_uniform, required_mean
+
+DELTA = 0.05
+EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1 lines
+# live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
+REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns")
+
+
+def binding(base_url: str, model: str, params: dict) -> dict:
+    """What a journal is valid for: the endpoint, the model and every parameter that shapes requests."""
+    live = params["live"]
+    return {"endpoint": base_url.rstrip("/"), "model": model, "seed": params["seed"], "search": params["search"],
+            "sampling": params["sampling"], "live": {k: live[k] for k in REQUEST_KEYS}}
+
+
+def guaranteed_common_size(N: int, D: int, V: int, delta: float = DELTA) -> int:
+    """Largest d with d + sqrt(2 d ln(1/delta)) + 2 ln(1/delta) <= mu(N) (Theorem 1, uniform over V).
+
+    Solved as a quadratic in sqrt(d); 0 when even d = 1 is not guaranteed.
+    """
+    mu, L = float(mu_uniform(N, D, V)), math.log(1 / delta)
+    disc = 4 * mu - 6 * L
+    if disc <= 0:
+        return 0
+    d = int(((math.sqrt(disc) - math.sqrt(2 * L)) / 2) ** 2)
+    while d > 0 and required_mean(d, delta) > mu:
+        d -= 1
+    return d
+
+
+def plan(params: dict, budget: Budget) -> dict:
+    """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
+
+    Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
+    Prompt tokens per call are unknown before the first reply: ``live.prompt_tokens`` estimates them.
+    Tokens (§5): (prompt + 1) per call. Billed: prompt tokens once per request, n samples per
+    request as ``live.n_per_request`` asks (if the server turns out not to honour n, the budget cap
+    still stops the run in time). Theory: Theorem 1's guaranteed common-set size for the planned D
+    and N if next tokens were uniform over an effective vocabulary of |V'| tokens, for a few |V'|
+    (high-entropy prompts spread over a sub-vocabulary; Corollary 1 makes that precise).
+    """
+    search, sampling, live = params["search"], params["sampling"], params["live"]
+    ell, n = live["prompt_tokens"], live["n_per_request"]
+    search_calls = search["rounds"] * search["batch_size"]
+    sample_calls = search["D"] * sampling["N"]
+    sample_requests = search["D"] * math.ceil(sampling["N"] / n)
+    requests = 2 + search_calls + sample_requests
+    billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
+    return {
+        "D": search["D"],
+        "N": sampling["N"],
+        "search_calls": search_calls,
+        "sampling_calls": sample_calls,
+        "requests": requests,
+        "prompt_tokens_per_call": ell,
+        "tokens_paper": (ell + 1) * (search_calls + sample_calls),
+        "tokens_billed": billed,
+        "money": budget.money_of(billed),
+        "theorem1_common_set": {V: guaranteed_common_size(sampling["N"], search["D"], V) for V in EFFECTIVE_VOCABS},
+    }
+
+
+def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
+    s, smp, live = params["search"], params["sampling"], params["live"]
+    money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
+    return (
+        f"plan for phase 1 against {model} at {base_url} (nothing sent):\n"
+        f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
+        f"  sampling          D = {s['D']:,} prompts x N = {smp['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}\n"
+        f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} samples per request where n is honoured)\n"
+        f"  tokens (§5)       {p['tokens_paper']:,} = (prompt + 1) x calls, prompt ~ {p['prompt_tokens_per_call']} tokens (estimate)\n"
+        f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
+        f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
+        + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
+    )
+
+
+def check_budget(p: dict, budget: Budget) -> None:
+    """Refuse, before anything is spent, a budget below the planned requests, tokens or money."""
+    for what, cap, need in (("calls", budget.calls, p["requests"]), ("tokens", budget.tokens, p["tokens_billed"]),
+                            ("money", budget.money, p["money"])):
+        if cap is not None and need is not None and need > cap:
+            raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {p['N']:,}) needs {need:,.6g} "
+                          f"{what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
+
+
+def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Path, budget: Budget,
+           progress: bool = True, timing: dict | None = None) -> dict:
+    """Phase 1 against the endpoint, then phase 2 when ``timing`` = {calibration, k, vocab_size,
+    p_max, d_hat (None: phase 1's)} is given; writes report.json and spectrum.png under ``out``."""
+    from nv.phase1 import run
+    from nv.sampling import load_samples
+
+    journal = Journal(journal_path, binding(base_url, model, params))
+    oracle = HTTPOracle.from_params(base_url, model, params["live"], journal, budget, progress)
+    try:
+        oracle.preflight()
+        check_budget(plan(params, budget), budget)
+        oracle.probe()
+        params = {**params, "model": {"endpoint": oracle.base_url, "model": model,
+                                      **{k: params["live"][k] for k in REQUEST_KEYS}}}
+        record = run(oracle, params, out, model, d_true=None, progress=progress)
+        prompts = json.loads((out / "prompts.json").read_text())
+        sampled = load_samples(out / "samples")
+        record.update(live_fields(oracle, record, prompts, sampled))
+        if timing is not None:
+            from nv.live_timing import timing_phase
+
+            d_hat = timing["d_hat"] or record["d_hat"]
+            record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],
+                                       timing["vocab_size"], params["seed"], out / ".checkpoints" / "timing.jsonl", progress))
+            record["cost"]["paper"] = oracle.cost.as_dict()  # phase 1 + the timed calls
+            record["cost"]["provider"] = oracle.provider_cost.as_dict()
+        (out / "report.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        return record
+    finally:
+        oracle.close()
+        journal.close()
+
+
+def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -> dict:
+    """The report's endpoint fields. Everything but ``http`` is a function of the journal and the
+    data, so a resumed or fault-ridden run reports the same; ``http`` is this process's traffic."""
+    billed = oracle.provider_cost
+    unidentified = sum(key is None for r in oracle.journal.responses.values() for key, _, _ in r.get("c", []))
+    sad, peak = record["i_sad"], record["i_peak"]
+    return {
+        "endpoint": oracle.base_url,
+        "aoi": None if sad is None or peak is None else [sad, peak],
+        "logprob_mode": oracle.logprob_mode(prompts, sampled),
+        "n_per_request": oracle.n_per_request,
+        "n_honoured": oracle.n_supported,
+        "cost": {
+            "paper": {"calls": record["calls"], "tokens": record["tokens"]},
+            "provider": billed.as_dict(),
+            "price_per_mtok": oracle.budget.price_per_mtok,
+            "money": oracle.budget.money_of(billed.tokens),
+        },
+        "unidentified_tokens": unidentified,
+        "http": dict(oracle.stats),
+    }

@@ -1,0 +1,171 @@
+"""A llama.cpp server (llama-cpp-python) on 127.0.0.1: the live endpoint of the tests and for users.
+
+``python -m nv.llama_server [--model PATH|embedded] [--port P] [--n-ctx N]`` serves one GGUF
+(default: the embedded SmolLM2-135M) through llama-cpp-python's OpenAI-compatible app, bound to
+127.0.0.1 only, with ``logits_all`` on (llama.cpp returns log-probs only then: the T = 1
+pre-sampling values). ``logits_all`` computes the |V| logits of every prompt position, which made
+prefill ~3x slower here; ``--no-logprobs`` serves without it (timing runs need no log-probs).
+Before the model is built, ``use_extra_bufts`` is switched off: on CPUs with AMX, ggml's
+AMX/repack buffers segfault on the first decode (measured on this machine).
+
+``LlamaServer`` starts that entry as a child process on a free port, waits until ``/v1/models``
+answers and stops it by its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from nv.errors import NVError
+
+HOST = "127.0.0.1"
+
+
+def _gguf(spec: str) -> Path:
+    from nv.model import EMBEDDED, embedded_gguf
+
+    path = embedded_gguf() if spec == EMBEDDED else Path(spec)
+    if not path.is_file():
+        raise NVError(f"GGUF file not found: {path}")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """Context manager: a llama.cpp server for ``gguf_path`` ('embedded' or a file) on 127.0.0.1.
+
+    ``base_url`` is the OpenAI base ("http://127.0.0.1:PORT/v1"); ``model_name`` the name it serves
+    (the file name without ``.gguf``). ``logprobs=False`` serves without ``logits_all`` (faster
+    prefill, no log-probs). A server that fails to come up raises a one-line NVError.
+    """
+
+    def __init__(self, gguf_path: str | Path = "embedded", n_ctx: int = 8192, port: int | None = None,
+                 n_threads: int | None = None, logprobs: bool = True, startup_timeout: float = 120.0) -> None:
+        self.gguf = _gguf(str(gguf_path))
+        self.n_ctx = n_ctx
+        self.port = port or free_port()
+        self.n_threads = n_threads
+        self.logprobs = logprobs
+        self.startup_timeout = startup_timeout
+        self.model_name = self.gguf.name.removesuffix(".gguf")
+        self.base_url = f"http://{HOST}:{self.port}/v1"
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    def start(self) -> LlamaServer:
+        cmd = [sys.executable, "-m", "nv.llama_server", "--model", str(self.gguf), "--port", str(self.port),
+               "--n-ctx", str(self.n_ctx), "--alias", self.model_name]
+        if self.n_threads:
+            cmd += ["--n-threads", str(self.n_threads)]
+        if not self.logprobs:
+            cmd += ["--no-logprobs"]
+        fd, log_path = tempfile.mkstemp(prefix="nv-llama-server-", suffix=".log")
+        self.log_path = Path(log_path)
+        self.process = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        os.close(fd)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                last = self._last_log_line()
+                self.stop()
+                raise NVError(f"llama.cpp server exited with status {self.process.returncode}: {last}")
+            try:
+                if httpx.get(f"{self.base_url}/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise NVError(f"llama.cpp server did not answer on {self.base_url} within {self.startup_timeout:.0f} s")
+
+    def _last_log_line(self) -> str:
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else "no output"
+
+    def stop(self) -> None:
+        """SIGTERM the server's PID, SIGKILL after 10 s; remove its log."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LlamaServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _without_extra_buffers() -> None:
+    """Model params with ``use_extra_bufts = False`` (the AMX segfault workaround)."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def patched():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = patched
+
+
+def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int | None, logprobs: bool = True) -> None:
+    """Run the server in this process until it is stopped (127.0.0.1 only)."""
+    try:
+        import uvicorn
+        from llama_cpp.server.app import create_app
+        from llama_cpp.server.settings import ModelSettings, ServerSettings
+    except ImportError:
+        raise NVError("llama-cpp-python[server] is not installed: run `make server`") from None
+    _without_extra_buffers()
+    path = _gguf(model)
+    settings = {"model": str(path), "model_alias": alias or path.name.removesuffix(".gguf"), "n_ctx": n_ctx,
+                "logits_all": logprobs, "verbose": False}
+    if n_threads:
+        settings.update(n_threads=n_threads, n_threads_batch=n_threads)
+    app = create_app(server_settings=ServerSettings(host=HOST, port=port), model_settings=[ModelSettings(**settings)])
+    uvicorn.run(app, host=HOST, port=port, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nv.llama_server",
+                                     description="Serve a GGUF with llama.cpp on 127.0.0.1 (OpenAI-compatible, log-probs on).")
+    parser.add_argument("--model", default="embedded", help="a .gguf file, or 'embedded' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--n-ctx", type=int, default=8192, help="context size in tokens")
+    parser.add_argument("--n-threads", type=int, default=None, help="CPU threads (llama.cpp default when omitted)")
+    parser.add_argument("--alias", default=None, help="model name the server answers to (default: the file name)")
+    parser.add_argument("--no-logprobs", action="store_true", help="logits_all off: faster prefill, no log-probs")
+    args = parser.parse_args(argv)
+    try:
+        serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs)
+    except NVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,516 @@
+"""HTTP backend of the oracle layer: any OpenAI-compatible endpoint (vLLM, llama.cpp, SGLang, hosted).
+
+One request is one chat completion (``chat=True``; the server applies the model's chat template
+and default system prompt) or plain completion with ``max_tokens = 1``, temperature tau, and
+``logprobs`` with ``top_logprobs = 0``: the sampled token and its log-probability y_q^(i), the
+paper's threat model (§2, Alg. 1 line 4). ``n`` > 1 samples ride on one request (one prefill)
+where the server honours ``n`` (``probe`` finds out). Requests are deterministic functions of
+(prompt, sample index, seed): each carries its own ``seed``, so a resumed run asks exactly what an
+uninterrupted one would, and every paid reply is journaled (``nv.journal``) before it is used.
+
+Token identity: the token's ``bytes`` when the server sends them (OpenAI, vLLM), a vLLM
+``token_id:N`` string, else its text (llama.cpp). Text that cannot identify a token (empty, or with
+U+FFFD: partial UTF-8 byte tokens, which llama.cpp renders lossily) is counted but gets no column.
+Token keys map to stable column indexes through the journal's column map, assigned in request
+order, never arrival order.
+
+Cost, two accountings: ``cost`` is the paper's §5 metric, (prompt + 1 output token) x samples, as
+the Simulator charges; ``provider_cost`` is what a provider bills, prompt tokens once per request
+plus the output tokens, from the server's ``usage``, over every paid reply in the journal. The
+budget (tokens, calls, money) is checked against the provider's count before each request is sent,
+with the request's cost reserved up front, so the attack stops before overspending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from nv.errors import NVError
+from nv.journal import Journal, canonical, request_key
+from nv.oracle.base import Cost, Oracle, Samples, TimedCall, check_sampling
+
+PROBE_PROMPT = "Hello"
+PROBE_TEMPERATURE = 0.5  # far from 1, where processed and raw log-probs coincide
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Politeness: parallel requests, requests and tokens per minute (0: none), retries with
+    exponential backoff (``backoff`` s doubled per attempt, plus uniform jitter, at most
+    ``backoff_max``), and the per-request timeout in seconds."""
+
+    concurrency: int = 8
+    rpm: float = 0
+    tpm: float = 0
+    retries: int = 8
+    backoff: float = 0.5
+    backoff_max: float = 60.0
+    timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Hard caps on what the provider bills (None: no cap); money = billed tokens x price / 1e6."""
+
+    tokens: int | None = None
+    calls: int | None = None
+    money: float | None = None
+    price_per_mtok: float | None = None
+
+    def money_of(self, tokens: int) -> float | None:
+        return None if self.price_per_mtok is None else tokens * self.price_per_mtok / 1e6
+
+
+class BudgetExhausted(NVError):
+    """The next request would pass a budget cap; nothing over it was sent."""
+
+
+class _Retry(Exception):
+    """A transient failure: 429, 5xx, timeout, dropped connection, truncated or non-JSON reply."""
+
+    def __init__(self, reason: str, retry_after: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.retry_after = reason, retry_after
+
+
+def token_key(entry: dict | None) -> str | None:
+    """A token's identity in a logprobs entry, or None when the reply does not identify it."""
+    if not isinstance(entry, dict):
+        return None
+    raw = entry.get("bytes")
+    if isinstance(raw, list) and raw:
+        return "b:" + bytes(raw).hex()
+    text = entry.get("token")
+    if not isinstance(text, str) or text == "" or "\ufffd" in text:
+        return None
+    if text.startswith("token_id:"):
+        return "id:" + text[len("token_id:") :]
+    return "s:" + text
+
+
+def parse_reply(data, chat: bool, top_logprobs: int) -> dict:
+    """The journal record of one reply: per choice [token key, log-prob, top entries], usage.
+
+    A choice whose log-probs are present but empty (llama.cpp when the end-of-turn token is drawn)
+    gives [None, None, []]. A reply without log-probs at all raises NVError.
+    """
+    try:
+        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+        usage = data["usage"]
+        record = {"c": [], "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise NVError(f"reply is not an OpenAI completion (no choices/usage): {canonical(data)[:200]}") from None
+    for choice in choices:
+        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        if not isinstance(lp, dict):
+            raise NVError("the endpoint returned no log-probabilities (llama.cpp: logits_all on; vLLM: --max-logprobs >= 1; "
+                          "hosted: a model with logprobs)")
+        if chat:
+            content = lp.get("content") or []
+            first = content[0] if content else None
+            top = (first or {}).get("top_logprobs") or []
+            entries = [(token_key(t), t.get("logprob")) for t in top[:top_logprobs]]
+        else:
+            tokens = lp.get("tokens") or []
+            first = {"token": tokens[0], "logprob": (lp.get("token_logprobs") or [None])[0]} if tokens else None
+            top = ((lp.get("top_logprobs") or [None])[0] or {}) if tokens else {}
+            entries = [(token_key({"token": t}), v) for t, v in list(top.items())[:top_logprobs]]
+        value = None if first is None or first.get("logprob") is None else float(first["logprob"])
+        record["c"].append([token_key(first), value, [[k, float(v)] for k, v in entries if k and v is not None]])
+    return record
+
+
+def request_seed(seed, index: int) -> int:
+    """The per-request seed: a 31-bit hash of (the prompt's seed, the request's index)."""
+    return int(hashlib.sha256(canonical([seed, index]).encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+class HTTPOracle(Oracle):
+    """Oracle over an OpenAI-compatible endpoint (``base_url`` like "http://host:port/v1")."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        chat: bool = True,
+        journal: Journal | None = None,
+        n_per_request: int = 1,
+        top_logprobs: int = 0,
+        extra_body: dict | None = None,
+        columns: int = 262144,
+        prompt_tokens_estimate: int = 45,
+        limits: Limits = Limits(),
+        budget: Budget = Budget(),
+        progress: bool = False,
+    ) -> None:
+        super().__init__()
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.chat = chat
+        self.journal = journal or Journal(None, {})
+        self.n_per_request = n_per_request
+        self.n_supported: bool | None = None
+        self.top_logprobs = top_logprobs
+        self.extra_body = dict(extra_body or {})
+        self.columns = columns
+        self.prompt_tokens_estimate = prompt_tokens_estimate
+        self.limits = limits
+        self.budget = budget
+        self.progress = progress
+        self.stats = {"sent": 0, "replayed": 0, "retries": 0}
+        self.greedy: dict[str, tuple[int, float]] = {}  # prompt -> (column or -1, log-prob) of its T = 0 call
+        self._probe_pairs: list[tuple[float, float]] = []  # (T = 0, T = 0.5) log-probs of the probe's argmax token
+        key = os.environ.get(api_key_env)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._prompt_len: dict[str, int] = {}
+        self._longest = 0
+        self._timed: dict[str, int] = {}
+        self._reserved_calls = 0
+        self._reserved_tokens = 0
+        self._next_slot = 0.0
+        self._client: httpx.AsyncClient | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nv-http", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_params(cls, base_url: str, model: str, live: dict, journal: Journal | None, budget: Budget,
+                    progress: bool = False) -> HTTPOracle:
+        """An oracle configured by params.yaml's ``live`` section."""
+        limits = Limits(live["concurrency"], live["rpm"], live["tpm"], live["retries"], live["backoff"],
+                        timeout=live["timeout"])
+        return cls(base_url, model, chat=live["chat"], journal=journal, n_per_request=live["n_per_request"],
+                   top_logprobs=live["top_logprobs"], extra_body=live["extra_body"], columns=live["columns"],
+                   prompt_tokens_estimate=live["prompt_tokens"], limits=limits, budget=budget, progress=progress)
+
+    @property
+    def vocab_size(self) -> int:
+        """Columns of Y_hat: an upper bound on the distinct tokens (the target's |V| is unknown)."""
+        return self.columns
+
+    @property
+    def provider_cost(self) -> Cost:
+        """Provider accounting over every paid reply of this attack (the journal, all processes)."""
+        j = self.journal
+        return Cost(calls=j.requests, prompt_tokens=j.prompt_tokens, output_tokens=j.output_tokens)
+
+    # -- set-up checks ----------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Free check (GET /models): the endpoint answers JSON and serves ``model``; no retries."""
+        url = f"{self.base_url}/models"
+        try:
+            r = httpx.get(url, headers=self._headers, timeout=min(self.limits.timeout, 30))
+        except httpx.HTTPError as exc:
+            raise NVError(f"cannot reach {url}: {type(exc).__name__} {exc}".strip()) from None
+        if r.status_code in (401, 403):
+            raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): set the API key variable")
+        try:
+            data = r.json()
+            served = [m["id"] for m in data["data"]]
+        except (ValueError, KeyError, TypeError):
+            kind = r.headers.get("content-type", "no content type")
+            raise NVError(f"{url} did not answer an OpenAI model list (HTTP {r.status_code}, {kind}): "
+                          "is this an OpenAI-compatible base URL ending in /v1?") from None
+        if self.model not in served:
+            raise NVError(f"model {self.model!r} is not served at {self.base_url} (it serves: {', '.join(served) or 'nothing'})")
+
+    def probe(self) -> None:
+        """Two paid requests (journaled) on a low-entropy prompt: n = max(2, n_per_request) samples at
+        T = PROBE_TEMPERATURE, whose reply must carry log-probs (else nothing more is sent), then one
+        at T = 0. ``n`` is honoured if n choices come back; the argmax token, almost surely drawn at
+        T = 0.5, shows raw log-probs (the same value at both temperatures) or processed ones."""
+        n = max(2, self.n_per_request)
+        (sampled,) = self._run([self._body(PROBE_PROMPT, PROBE_TEMPERATURE, n, 0, logprobs=True)], 1)
+        if not sampled["c"] or all(lp is None for _, lp, _ in sampled["c"]):
+            raise NVError("the endpoint returned no log-probability for the sampled token")
+        (greedy,) = self._run([self._body(PROBE_PROMPT, 0.0, 1, None, logprobs=True)], 1)
+        self.n_supported = len(sampled["c"]) == n
+        if not self.n_supported:
+            self.n_per_request = 1
+        key, lp, _ = greedy["c"][0] if greedy["c"] else (None, None, [])
+        self._probe_pairs = [(lp, v) for k, v, _ in sampled["c"] if key is not None and k == key and lp is not None]
+
+    # -- the Oracle interface -----------------------------------------------------------------
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
+        """``n`` samples per prompt at ``temperature``; request j of prompt q is seeded by (seeds[q], j).
+
+        Per prompt: the identified tokens, the log-prob of each from its first request (request order),
+        and how many calls revealed it (with ``top_logprobs`` > 0 the top entries count as reveals too).
+        """
+        check_sampling(n, temperature)
+        if len(seeds) != len(prompts):
+            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        per = self.n_per_request
+        sizes = [min(per, n - j * per) for j in range(math.ceil(n / per))]
+        bodies = (self._body(p, temperature, size, request_seed(s, j), logprobs=True)
+                  for p, s in zip(prompts, seeds) for j, size in enumerate(sizes))
+        seen: list[dict[str, list]] = [{} for _ in prompts]  # token key -> [log-prob at first sight, reveals]
+        ell = [0] * len(prompts)
+
+        def take(i: int, record: dict) -> None:  # records arrive out of order; i is the request order
+            q, j = divmod(i, len(sizes))
+            ell[q] = record["p"]
+            for c, (key, lp, top) in enumerate(record["c"]):
+                revealed = dict(([] if lp is None else [(key, lp)]) + [tuple(t) for t in top])
+                for t, (k, v) in enumerate(revealed.items()):
+                    if k is not None:
+                        entry = seen[q].setdefault(k, [((j, c, t), v), 0])
+                        entry[0] = min(entry[0], ((j, c, t), v))
+                        entry[1] += 1
+
+        self._run(bodies, len(prompts) * len(sizes), take)
+        out = []
+        for q, tokens in enumerate(seen):
+            first = sorted(tokens, key=lambda k: tokens[k][0][0])  # columns are assigned in request order
+            cols = np.array([self._column(k) for k in first], dtype=np.int64)
+            order = np.argsort(cols)
+            out.append(Samples(cols[order], np.array([tokens[k][0][1] for k in first])[order],
+                               np.array([tokens[k][1] for k in first], dtype=np.int64)[order], ell[q]))
+            self.cost.charge(ell[q], calls=n)
+        return out
+
+    def argmax(self, prompts: Sequence[str]) -> list[Samples]:
+        """One temperature-0 call per prompt. A token the reply does not identify gets column -1;
+        an end-of-turn token reported without a log-prob counts as probability 1 (never kept)."""
+        records = self._run((self._body(p, 0.0, 1, None, logprobs=True) for p in prompts), len(prompts))
+        out = []
+        for prompt, record in zip(prompts, records):
+            key, lp, _ = record["c"][0] if record["c"] else (None, None, [])
+            col, lp = (-1 if key is None else self._column(key)), (0.0 if lp is None else lp)
+            self.greedy[prompt] = (col, lp)
+            out.append(Samples(np.array([col]), np.array([lp]), np.array([1]), record["p"]))
+            self.cost.charge(record["p"], calls=1)
+        return out
+
+    def time_request(self, prompt: str) -> TimedCall:
+        """One greedy call with one output token, no log-probs (their computation would be timed too).
+
+        Seconds: client-side, from sending the request to receiving the whole (non-streamed) reply,
+        which with max_tokens = 1 is the arrival of the first token (App. E times whole requests
+        the same way). The k-th timing of the same prompt is its own journal entry.
+        """
+        occurrence = self._timed.get(prompt, 0)
+        self._timed[prompt] = occurrence + 1
+        body = self._body(prompt, 0.0, 1, None, logprobs=False)
+        (record,) = self._run([body], 1, key_extra={"timed": occurrence})
+        self.cost.charge(record["p"], calls=1)
+        return TimedCall(record["t"], record["p"])
+
+    # -- report helpers -----------------------------------------------------------------------
+
+    def logprob_mode(self, prompts: Sequence[str], sampled) -> dict:
+        """Raw or processed log-probs: the T = 0 call of a prompt reports its argmax token's log-prob;
+        where samples at T != 1 of that prompt (the probe's, and the attack's tau-samples) drew the same
+        token, equal values (|diff| < 1e-3) mean raw log_softmax(z), different ones processed
+        log_softmax(z / T)."""
+        agree, compared = sum(abs(a - b) < 1e-3 for a, b in self._probe_pairs), len(self._probe_pairs)
+        for q, prompt in enumerate(prompts):
+            col, lp = self.greedy.get(prompt, (-1, 0.0))
+            if col >= 0 and sampled.counts[q, col] > 0:
+                compared += 1
+                agree += abs(float(sampled.logprobs[q, col]) - lp) < 1e-3
+        mode = "unknown" if not compared else "raw" if agree == compared else "processed" if not agree else "mixed"
+        return {"mode": mode, "compared": compared, "equal": agree}
+
+    def __enter__(self) -> HTTPOracle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections and stop the request thread (the journal stays open)."""
+        if self._thread.is_alive():
+            if self._client is not None:
+                asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _body(self, prompt: str, temperature: float, n: int, seed: int | None, logprobs: bool) -> dict:
+        body = {"model": self.model, "max_tokens": 1, "temperature": temperature, **self.extra_body}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            if logprobs:
+                body.update(logprobs=True, top_logprobs=self.top_logprobs)
+        else:
+            body["prompt"] = prompt
+            if logprobs:
+                body["logprobs"] = self.top_logprobs
+        if n > 1:
+            body["n"] = n
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    def _column(self, key: str) -> int:
+        col = self.journal.column(key)
+        if col >= self.columns:
+            raise NVError(f"more than {self.columns} distinct tokens seen: raise live.columns")
+        return col
+
+    def _run(self, bodies: Iterable[dict], total: int, take: Callable[[int, dict], None] | None = None,
+             key_extra: dict | None = None) -> list[dict]:
+        """Send (or replay from the journal) every body, ``concurrency`` at a time; the bodies are
+        consumed lazily. ``take(i, record)`` gets each record (i: request order) as it arrives;
+        without ``take`` the records come back as a list in request order."""
+        records: list[dict] = [{}] * total if take is None else []
+        take = take or records.__setitem__
+        bar = tqdm(total=total, desc="requests", unit="req", leave=False, position=1, disable=not self.progress or total < 2)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._gather(enumerate(bodies), take, key_extra, bar), self._loop)
+            future.result()
+        finally:
+            bar.close()
+        return records
+
+    async def _gather(self, jobs: Iterator[tuple[int, dict]], take, key_extra: dict | None, bar) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(headers=self._headers, timeout=self.limits.timeout,
+                                             limits=httpx.Limits(max_connections=self.limits.concurrency))
+        errors: list[BaseException] = []
+
+        async def worker():
+            for i, body in jobs:
+                try:
+                    take(i, await self._call(body, key_extra))
+                except BaseException as exc:  # stop taking work; requests in flight finish and are journaled
+                    errors.append(exc)
+                if errors:
+                    return
+                bar.update(1)
+                bar.set_postfix_str(self._spend(), refresh=False)
+
+        await asyncio.gather(*(worker() for _ in range(self.limits.concurrency)))
+        self.journal.sync()
+        if errors:
+            raise errors[0]
+
+    def _spend(self) -> str:
+        c = self.provider_cost
+        money = self.budget.money_of(c.tokens)
+        return f"{c.calls} calls, {c.tokens:,} tokens" + ("" if money is None else f", {money:.4g} spent")
+
+    async def _call(self, body: dict, key_extra: dict | None) -> dict:
+        key = request_key(body if key_extra is None else {"body": body, **key_extra})
+        record = self.journal.get(key)
+        if record is not None:
+            self.stats["replayed"] += 1
+            return record
+        prompt = body.get("prompt") or body["messages"][0]["content"]
+        # prompt tokens are known once the prompt has been answered; before that, twice the longest seen
+        estimate = self._prompt_len.get(prompt, 2 * max(self.prompt_tokens_estimate, self._longest)) + body.get("n", 1)
+        self._reserve(estimate)
+        try:
+            await self._pace(estimate)
+            timed = "timed" in (key_extra or {})
+            record = await self._post(body, timed)
+        finally:
+            self._reserved_calls -= 1
+            self._reserved_tokens -= estimate
+        self._prompt_len[prompt] = record["p"]
+        self._longest = max(self._longest, record["p"])
+        self.journal.put(key, record)
+        self.stats["sent"] += 1
+        return record
+
+    def _reserve(self, tokens: int) -> None:
+        spent, b = self.provider_cost, self.budget
+        calls, total = spent.calls + self._reserved_calls + 1, spent.tokens + self._reserved_tokens + tokens
+        money = b.money_of(total)
+        over = ("calls", b.calls) if b.calls is not None and calls > b.calls else \
+               ("tokens", b.tokens) if b.tokens is not None and total > b.tokens else \
+               ("money", b.money) if b.money is not None and money is not None and money > b.money else None
+        if over:
+            raise BudgetExhausted(f"budget reached: the next request would pass the {over[0]} cap of {over[1]} "
+                                  f"(spent so far: {self._spend()}); paid work is in the journal: raise the budget "
+                                  "and rerun the same command to resume")
+        self._reserved_calls += 1
+        self._reserved_tokens += tokens
+
+    async def _pace(self, tokens: int) -> None:
+        """Requests/tokens-per-minute limits: each request takes a time slot of its own."""
+        rpm, tpm = self.limits.rpm, self.limits.tpm
+        if not rpm and not tpm:
+            return
+        now = self._loop.time()
+        start = max(now, self._next_slot)
+        self._next_slot = start + max(60.0 / rpm if rpm else 0.0, 60.0 * tokens / tpm if tpm else 0.0)
+        await asyncio.sleep(start - now)
+
+    async def _post(self, body: dict, timed: bool) -> dict:
+        """POST with retries on transient failures; the parsed record (timed: seconds and usage)."""
+        url = f"{self.base_url}/{'chat/completions' if self.chat else 'completions'}"
+        last = ""
+        for attempt in range(self.limits.retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+            try:
+                start = time.perf_counter()
+                r = await self._client.post(url, json=body)
+                seconds = time.perf_counter() - start
+                if r.status_code == 429 or r.status_code >= 500:
+                    raise _Retry(f"HTTP {r.status_code} {_detail(r)}".strip(), r.headers.get("retry-after"))
+                if r.status_code >= 400:
+                    raise NVError(f"{url} refused the request: HTTP {r.status_code} {_detail(r)}")
+                try:
+                    data = r.json()
+                except ValueError:
+                    raise _Retry("truncated or non-JSON reply") from None
+            except httpx.TimeoutException:
+                last, wait = "timeout", None
+            except httpx.TransportError as exc:
+                last, wait = f"connection error ({type(exc).__name__})", None
+            except _Retry as exc:
+                last, wait = exc.reason, exc.retry_after
+            else:
+                if timed:
+                    usage = data.get("usage") if isinstance(data, dict) else None
+                    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
+                        raise NVError(f"reply has no usage.prompt_tokens: {canonical(data)[:200]}")
+                    return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+                return parse_reply(data, self.chat, self.top_logprobs)
+            if attempt < self.limits.retries:
+                await asyncio.sleep(self._backoff(attempt, wait))
+        raise NVError(f"{url}: giving up after {self.limits.retries} retries (last: {last}); "
+                      "paid work so far is in the journal and a rerun resumes from it")
+
+    def _backoff(self, attempt: int, retry_after: str | None) -> float:
+        base = min(self.limits.backoff_max, self.limits.backoff * 2**attempt)
+        delay = base + random.uniform(0, base)
+        if retry_after:
+            try:
+                delay = max(delay, min(float(retry_after), self.limits.backoff_max))
+            except ValueError:
+                pass
+        return delay
+
+
+def _detail(r: httpx.Response) -> str:
+    """The server's error message, one line, at most 200 characters."""
+    try:
+        data = r.json()
+        msg = data.get("error", data.get("detail", data)) if isinstance(data, dict) else data
+        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+        text = msg if isinstance(msg, str) else json.dumps(msg)
+    except ValueError:
+        text = r.text
+    return " ".join(text.split())[:200]

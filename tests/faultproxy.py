@@ -1,0 +1,159 @@
+"""A fault-injecting HTTP/1.1 proxy in front of a real OpenAI-compatible server (tests only).
+
+Runs an asyncio server on 127.0.0.1 in a background thread and forwards every request upstream.
+The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numbers listed in
+``faults`` it injects one fault instead of (or on top of) forwarding:
+
+- ``"429"``: answers 429 with ``Retry-After: 0``, not forwarded;
+- ``"500"``: answers 500, not forwarded;
+- ``"timeout"``: never answers; the connection is dropped after ``hold`` seconds (past the client's timeout);
+- ``"truncate"``: forwarded (so paid), then answered 200 with the first half of the JSON body;
+- ``"reset"``: the connection is dropped with a TCP reset, not forwarded.
+
+``mode="html"`` answers every request with an HTML page; ``mode="strip"`` removes ``logprobs`` from
+every forwarded reply (a server without log-prob support); ``mode="n"`` gives the llama.cpp server the
+``n`` it ignores: a POST asking for n > 1 choices becomes n upstream requests (seeds seed * 1000 + i)
+merged into one reply of n choices, prompt tokens counted once (as vLLM bills one prefill). ``posts`` counts POSTs received and
+``forwarded`` lists, in order, the JSON bodies of the POSTs the upstream server answered with 200 (paid);
+``in_flight`` counts requests being answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+import time
+
+import httpx
+
+FAULTS = ("429", "500", "timeout", "truncate", "reset")
+REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, faults: dict[int, str] | None = None, mode: str | None = None, hold: float = 6.0):
+        """``upstream``: the server's base URL ("http://127.0.0.1:PORT/v1"); paths are forwarded as they come."""
+        self.upstream = upstream.split("/v1")[0]
+        self.faults = dict(faults or {})
+        assert set(self.faults.values()) <= set(FAULTS), self.faults
+        self.mode = mode
+        self.hold = hold
+        self.posts = 0
+        self.forwarded: list[dict] = []
+        self.in_flight = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+        self._client: httpx.AsyncClient | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        """Until no request is in flight (a killed client's requests still reach the server)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.in_flight, "proxy still busy"
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    async def _start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=120)
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        self._server.close()
+        await self._client.aclose()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # keep-alive: one request after another on this connection
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                method, path, _ = head.split(b"\r\n", 1)[0].decode().split(" ", 2)
+                headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if ": " in line)
+                length = int({k.lower(): v for k, v in headers.items()}.get("content-length", 0))
+                body = await reader.readexactly(length) if length else b""
+                self.in_flight += 1
+                try:
+                    if not await self._answer(method, path, body, writer):
+                        return
+                finally:
+                    self.in_flight -= 1
+        finally:
+            if not writer.is_closing():
+                writer.close()
+
+    async def _answer(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; False when the connection is gone."""
+        if self.mode == "html":
+            return await self._send(writer, 200, b"<html><body>It works!</body></html>", "text/html")
+        fault = None
+        if method == "POST":
+            fault = self.faults.get(self.posts)
+            self.posts += 1
+        if fault in ("429", "500"):
+            return await self._send(writer, int(fault), b'{"error": {"message": "injected"}}', extra="Retry-After: 0\r\n")
+        if fault == "timeout":
+            await asyncio.sleep(self.hold)
+            writer.close()
+            return False
+        if fault == "reset":
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return False
+        if self.mode == "n" and method == "POST" and json.loads(body).get("n", 1) > 1:
+            return await self._send(writer, 200, await self._expand_n(path, json.loads(body)))
+        r = await self._client.request(method, self.upstream + path, content=body,
+                                       headers={"content-type": "application/json"} if body else None)
+        data = r.content
+        if method == "POST" and r.status_code == 200:
+            self.forwarded.append(json.loads(body))
+            if self.mode == "strip":
+                reply = r.json()
+                for choice in reply.get("choices", []):
+                    choice.pop("logprobs", None)
+                data = json.dumps(reply).encode()
+        if fault == "truncate":
+            data = data[: len(data) // 2]
+        return await self._send(writer, r.status_code, data, r.headers.get("content-type", "application/json"))
+
+    async def _expand_n(self, path: str, body: dict) -> bytes:
+        self.forwarded.append(body)
+        replies = []
+        for i in range(body["n"]):
+            one = {**body, "seed": body.get("seed", 0) * 1000 + i}
+            del one["n"]
+            replies.append((await self._client.post(self.upstream + path, json=one)).json())
+        merged = replies[0]
+        merged["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(replies)]
+        merged["usage"]["completion_tokens"] = sum(r["usage"]["completion_tokens"] for r in replies)
+        return json.dumps(merged).encode()
+
+    @staticmethod
+    async def _send(writer, status: int, data: bytes, content_type: str = "application/json", extra: str = "") -> bool:
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(data)}\r\n{extra}\r\n")
+        try:
+            writer.write(head.encode() + data)
+            await writer.drain()
+        except ConnectionError:
+            return False
+        return True

@@ -1,0 +1,99 @@
+"""Profiles: profiles/paper.yaml merged into a copy of params.yaml (nv.profile), and `make repro PROFILE=paper`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nv.errors import NVError
+from nv.params import load_params
+from nv.profile import apply
+from nv.registry import load_registry
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def params(root, tmp_path) -> Path:
+    return Path(shutil.copy(root / "params.yaml", tmp_path / "params.yaml"))
+
+
+def run_apply(profile: Path, params: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nv.profile", "apply", str(profile), "--params", str(params)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_paper_profile_gives_valid_params_with_the_paper_values(root, params):
+    default = load_params(params)
+    changed = apply(root / "profiles" / "paper.yaml", params)
+    p = load_params(params)  # validates every section
+    assert (p["search"]["D"], p["sampling"]["N"], p["sampling"]["temperature"]) == (20_000, 1_000_000, 2.0)
+    assert p["search"]["rounds"] * p["search"]["batch_size"] >= p["search"]["D"]
+    assert max(p["sweep"]["budgets"]) == 1_000_000
+    assert p["sample_complexity"]["D_values"] == [5000, 10_000, 20_000] and p["sample_complexity"]["runs"] == 40
+    assert p["timing"]["platforms"] == {"inprocess": {"r": 0.6, "trials": 100, "threads": 16, "references": "all"}}
+    assert max(p["overall"]["trials"]) == 100
+    # the reference family: the 39 real models of App. D (32 validation + 7 development) by hub id
+    registry = load_registry(root / "data")
+    assert len(registry) == 39 and registry.role.value_counts().to_dict() == {"validation": 32, "development": 7}
+    assert p["timing_family"] == {m.split("/", 1)[1]: {"spec": m} for m in registry.model_id}
+    # everything the profile does not name is untouched, and so are params.yaml's comments
+    for section in ("model", "spectrum", "live", "carlini_baseline", "timing_target", "model_card"):
+        assert p[section] == default[section], section
+    text = params.read_text()
+    assert "# Alg. 2 / App. B.1.3 and the robust estimator (default)." in text and "  D: 20000  " in text
+    assert set(changed) == {"search.D", "search.rounds", "search.batch_size", "sampling.N", "sweep.budgets",
+                            "sample_complexity.D_values", "sample_complexity.runs", "timing.platforms", "overall.trials",
+                            "timing_family"}
+    assert apply(root / "profiles" / "paper.yaml", params) == [] and params.read_text() == text  # idempotent
+
+
+def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(params, tmp_path):
+    before = params.read_text()
+    bad = tmp_path / "bad.yaml"
+    cases = {"spectrum:\n  robust: {zmin: 9.0}\n": "unknown key 'spectrum.robust.zmin' (known: g, z_min, min_ratio)",
+             "sampling: {N: 0}\n": "'sampling.N' must be >= 1, got 0",
+             "- 1\n": "must be a mapping"}
+    for override, message in cases.items():
+        bad.write_text(override)
+        proc = run_apply(bad, params)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and message in proc.stderr
+        assert params.read_text() == before  # and no temporary file is left beside it
+        assert sorted(p.name for p in params.parent.iterdir()) == ["bad.yaml", "params.yaml"]
+    with pytest.raises(NVError, match="file not found"):
+        apply(tmp_path / "missing.yaml", params)
+
+
+def test_cli_reports_the_changed_keys(root, params):
+    proc = run_apply(root / "profiles" / "paper.yaml", params)
+    assert proc.returncode == 0 and "sampling.N" in proc.stdout
+    assert proc.stdout.startswith(f"{params}: 10 value(s) from {root / 'profiles' / 'paper.yaml'}: search.D")
+
+
+def test_paper_profile_gives_one_dvc_stage_per_reference_model(root, params, tmp_path):
+    """The family's names are valid DVC foreach keys: `dvc stage list` shows one timing_reference stage each."""
+    apply(root / "profiles" / "paper.yaml", params)
+    shutil.copy(root / "dvc.yaml", tmp_path / "dvc.yaml")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run([str(BIN / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, env=env, check=True, timeout=120)
+    listed = subprocess.run([str(BIN / "dvc"), "stage", "list", "--name-only"], cwd=tmp_path, env=env, check=True,
+                            capture_output=True, text=True, timeout=120).stdout.split()
+    family = yaml.safe_load(params.read_text())["timing_family"]
+    assert {s.split("@", 1)[1] for s in listed if s.startswith("timing_reference@")} == set(family)
+    assert len(family) == 39
+
+
+def test_make_repro_with_a_profile_applies_it_before_dvc_repro(root):
+    dry = subprocess.run(["make", "-n", "-C", str(root), "repro", "PROFILE=paper"], capture_output=True, text=True,
+                         check=True).stdout
+    lines = [ln for ln in dry.splitlines() if "nv.profile" in ln or "dvc repro" in ln]
+    assert lines == [".venv/bin/python -m nv.profile apply profiles/paper.yaml", ".venv/bin/dvc repro"]
+    plain = subprocess.run(["make", "-n", "-C", str(root), "repro"], capture_output=True, text=True, check=True).stdout
+    assert "nv.profile" not in plain
