@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.timing_fit import attention_regime, fit_gamma, fit_scaling
+from nv.timing_fit import attention_regime, fit_gamma, fit_scaling, scaling_relation
 
 _LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
 
@@ -58,8 +58,7 @@ def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
         top = 0.0
         for i, r in enumerate(recs):
             row = same.loc[r["model"]]
-            k = row["k"]
-            pred = k * row["beta"] * r["L"] * np.array(r["ell"]) ** 2 * r["d"] + row["alpha"]
+            pred = scaling_relation(row["k"] * row["beta"], row["alpha"], r["L"], r["d"], np.array(r["ell"]))
             ax.scatter(pred, r["T"], color="k" if r["role"] == "target" else f"C{i % 10}", label=r["model"], **_marker(r))
             top = max(top, float(np.max(pred)), float(np.max(r["T"])))
         ax.plot([0, top], [0, top], ":", color="0.4", lw=1, label="measured = predicted")
