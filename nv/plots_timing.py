@@ -6,20 +6,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.timing_fit import attention_regime, fit_gamma, fit_scaling, scaling_relation
+from nv.timing_eval import timings
+from nv.timing_fit import fit_gamma, fit_scaling, scaling_relation
 
 _LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
 
 
 def _marker(record: dict) -> dict:
     return {"marker": "*", "s": 90, "zorder": 3} if record["role"] == "target" else {"marker": "o", "s": 18}
-
-
-def _fit_points(records: list[dict], discard: int, d_key: str = "d"):
-    kept = [attention_regime(np.array(r["ell"]), np.array(r["T"]), np.array(r["sigma"]), discard) for r in records]
-    n = [len(k[0]) for k in kept]
-    cat = [np.concatenate([k[i] for k in kept]) for i in range(3)]
-    return cat, np.repeat([r[d_key] for r in records], n), np.repeat([r["L"] for r in records], n)
 
 
 def scaling(records: dict[str, list[dict]], discard: int):
@@ -29,8 +23,8 @@ def scaling(records: dict[str, list[dict]], discard: int):
     fig, axes = plt.subplots(1, len(records), figsize=(6.2 * len(records), 4.6), squeeze=False)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
-        (ell, T, sigma), d, L = _fit_points(refs, discard)
-        fit = fit_scaling(L, d, ell, T, sigma)
+        pts = timings(refs, discard, "d")
+        fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
         for i, r in enumerate(recs):
             x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
             order = np.argsort(r["ell"])
@@ -104,11 +98,11 @@ def cross_platform(records: dict[str, list[dict]], table: pd.DataFrame, discard:
     gammas = {}
     for i, (platform, recs) in enumerate(records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
-        (ell, T, sigma), d, _ = _fit_points(refs, discard)
-        gamma = fit_gamma(d, ell, T, sigma)
+        pts = timings(refs, discard, "d")
+        gamma = fit_gamma(pts.d, pts.ell, pts.T, pts.sigma)
         gammas[platform] = gamma.slope
-        x = ell**2 * d
-        axes[0].scatter(x, T, s=10, color=f"C{i}", alpha=0.6, label=f"{_LABELS.get(platform, platform)} references")
+        x = pts.ell**2 * pts.d
+        axes[0].scatter(x, pts.T, s=10, color=f"C{i}", alpha=0.6, label=f"{_LABELS.get(platform, platform)} references")
         xs = np.linspace(0, x.max(), 50)
         axes[0].plot(xs, gamma.slope * xs + gamma.intercept, color=f"C{i}", lw=1, label=f"gamma = {gamma.slope:.3g} s")
         target = next(r for r in recs if r["role"] == "target")
