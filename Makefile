@@ -30,7 +30,7 @@ server: $(SERVER)
 GGUF  ?= embedded
 PORT  ?= 8080
 serve: $(SERVER)
-	$(BIN)/python -m nv.llama_server --model $(GGUF) --port $(PORT)
+	$(BIN)/python -m nv.models.llama_server --model $(GGUF) --port $(PORT)
 
 # make repro PROFILE=paper: first merge profiles/paper.yaml into params.yaml in place (nv/profile.py)
 repro: $(STAMP) $(SERVER)

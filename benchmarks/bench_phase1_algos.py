@@ -12,8 +12,8 @@ import tracemalloc
 import numpy as np
 import scipy.sparse as sp
 
-from nv.prune import greedy_prune
-from nv.spectrum import estimate
+from nv.phase1.prune import greedy_prune
+from nv.phase1.spectrum import estimate
 
 GIB = 2.0**30
 

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from nv.model import load_model
-from nv.multinomial import multinomial_counts
+from nv.models.loading import load_model
+from nv.oracle.multinomial import multinomial_counts
 from nv.oracle import Simulator
 from nv.oracle.simulator import log_softmax
-from nv.search import random_prompts
+from nv.phase1.search import random_prompts
 
 
 def best_rate(sim: Simulator, prompts: list[str], repeats: int = 3) -> float:

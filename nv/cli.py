@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from nv.errors import NVError
+from nv.errors import NVError, run_main
 from nv.params import load_params
 
 PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
@@ -34,7 +34,7 @@ def attack(args: argparse.Namespace) -> int:
     if args.base_url is not None:
         return attack_live(args)
     from nv.oracle import Simulator
-    from nv.phase1 import run
+    from nv.phase1.pipeline import run
 
     params = load_params(args.params, PHASE1_SECTIONS)
     out = _writable(Path(args.out))
@@ -64,7 +64,7 @@ def attack_live(args: argparse.Namespace) -> int:
         return 0
     timing = None
     if args.timing_calibration:
-        from nv.live_timing import load_calibration
+        from nv.phase2.live import load_calibration
 
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
@@ -121,14 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
-    try:
-        return attack(args)
-    except NVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
-        return 130
+    return run_main(lambda: attack(args))
 
 
 if __name__ == "__main__":

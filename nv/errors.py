@@ -1,4 +1,9 @@
-"""The one exception type the command line and notebooks turn into a one-line message."""
+"""The one exception type of the project, and the one way entry points turn it into a one-line message."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 
 
 class NVError(Exception):
@@ -6,3 +11,18 @@ class NVError(Exception):
 
     The message names the problem in one line; entry points print it without a traceback.
     """
+
+
+def run_main(work: Callable[[], object]) -> int:
+    """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2,
+    Ctrl-C exit status 130 (finished work is checkpointed, so the same command resumes); otherwise the
+    status ``work`` returns when it is an int, else 0."""
+    try:
+        status = work()
+        return status if isinstance(status, int) else 0
+    except NVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
+        return 130

@@ -3,7 +3,7 @@
 The order of work makes bad input cost nothing: params and output folder, the journal's binding,
 the free ``GET /models`` (reachable, JSON, model served), the planned calls and tokens against the
 budget, then a paid probe of two requests (log-probs present, ``n`` honoured, raw or processed), then
-the attack itself through the same ``nv.phase1.run`` as the simulator (the attack code never knows
+the attack itself through the same ``nv.phase1.pipeline.run`` as the simulator (the attack code never knows
 the backend)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import math
 from pathlib import Path
 
 from nv.errors import NVError
-from nv.journal import Journal
+from nv.oracle.journal import Journal
 from nv.oracle.http import Budget, HTTPOracle
-from nv.theory import mu_uniform, required_mean
+from nv.theory.sample_complexity import mu_uniform, required_mean
 
 DELTA = 0.05
 EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1 lines
@@ -105,8 +105,8 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
            progress: bool = True, timing: dict | None = None) -> dict:
     """Phase 1 against the endpoint, then phase 2 when ``timing`` = {calibration, k, vocab_size,
     p_max, d_hat (None: phase 1's)} is given; writes report.json and spectrum.png under ``out``."""
-    from nv.phase1 import run
-    from nv.sampling import load_samples
+    from nv.phase1.pipeline import run
+    from nv.phase1.sampling import load_samples
 
     journal = Journal(journal_path, binding(base_url, model, params))
     oracle = HTTPOracle.from_params(base_url, model, params["live"], journal, budget, progress)
@@ -121,7 +121,7 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         sampled = load_samples(out / "samples")
         record.update(live_fields(oracle, record, prompts, sampled))
         if timing is not None:
-            from nv.live_timing import timing_phase
+            from nv.phase2.live import timing_phase
 
             d_hat = timing["d_hat"] or record["d_hat"]
             record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from nv.timing import LengthTimings, summarize
-from nv.timing_eval import held_out
-from nv.timing_fit import relative_error, total_params
+from nv.phase2.protocol import LengthTimings, summarize
+from nv.phase2.evaluation import held_out
+from nv.phase2.fit import relative_error, total_params
 
 
 def with_trials(record: dict, trials: int, trim: float) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
-from nv.errors import NVError
+from nv.errors import NVError, run_main
 from nv.params import SCHEMA, EachOf, load_params
 
 
@@ -95,14 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     cmd.add_argument("profile", help="e.g. profiles/paper.yaml")
     cmd.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> None:
         changed = apply(args.profile, args.params)
-    except NVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    names = f": {', '.join(changed)}" if changed else ""
-    print(f"{args.params}: {len(changed)} value(s) from {args.profile}{names}")
-    return 0
+        names = f": {', '.join(changed)}" if changed else ""
+        print(f"{args.params}: {len(changed)} value(s) from {args.profile}{names}")
+
+    return run_main(work)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nv.errors import NVError
+from nv.errors import NVError, run_main
 from nv.params import load_params
 
 @dataclass(frozen=True)
@@ -86,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--item", help="the entry of a per-item (DVC foreach) stage")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    try:
-        run_stage(args.name, args.params, item=args.item)
-    except NVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_main(lambda: run_stage(args.name, args.params, item=args.item))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ os.environ.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
 @pytest.fixture(scope="session")
 def lm32():
     """The embedded SmolLM2-135M in float32 compute (exact comparisons)."""
-    from nv.model import load_model
+    from nv.models.loading import load_model
 
     return load_model("embedded", dtype="float32")
 

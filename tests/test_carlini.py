@@ -1,11 +1,11 @@
-"""The Carlini et al. logit-bias baseline (nv.carlini) on the real embedded model (float32 logits)."""
+"""The Carlini et al. logit-bias baseline (nv.theory.carlini) on the real embedded model (float32 logits)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from nv.carlini import (
+from nv.theory.carlini import (
     carlini_attack,
     carlini_cost,
     cost_overhead,
@@ -18,7 +18,7 @@ from nv.carlini import (
 from nv.errors import NVError
 from nv.oracle import Oracle, Simulator
 from nv.oracle.simulator import log_softmax
-from nv.search import random_prompts
+from nv.phase1.search import random_prompts
 
 PROMPTS = ["héllo wörld", "日本語のテ", "🙂🙃😀😁😂", "abcde", "مرحبا بكم", "⠓ꦂ🜁ᚠ∰"]
 EPS = np.finfo(np.float64).eps
@@ -43,7 +43,7 @@ def test_recovered_probabilities_match_the_softmax(sim):
     y'_top is a float64 near y_top, so it carries an absolute error of ~eps |y'_top|; the inversion
     divides it by 1 - 1/e. Hence |p_hat - p| <= 4 eps max(1, |y'_top|) / (1 - 1/e) + 4 eps p
     (absolute ~1e-15): a relative error below 1e-6 for every p >= 1e-8, while p below ~1e-16 is
-    unresolvable: the attack drops columns recovered worse than 1 % (nv.carlini.resolution).
+    unresolvable: the attack drops columns recovered worse than 1 % (nv.theory.carlini.resolution).
     """
     logp = log_softmax(sim.logits(PROMPTS))
     top, y_top, y_biased = sim.top1_logit_bias(PROMPTS, np.arange(sim.vocab_size))

@@ -1,7 +1,7 @@
-"""Interactive inspection: nv.inspect's cached recompute and the notebook executed headless by papermill.
+"""Interactive inspection: nv.phase1.inspect's cached recompute and the notebook executed headless by papermill.
 
 The input is real pipeline data at tiny size: a model whose logits have rank R exactly, sampled through
-nv.sampling.collect (shards + manifest as the sampling stage writes them) and pruned by nv.phase1.common_set
+nv.phase1.sampling.collect (shards + manifest as the sampling stage writes them) and pruned by nv.phase1.pipeline.common_set
 into common_set.npz as the pruning stage stores it.
 """
 
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
-from nv.multinomial import multinomial_counts
+from nv.phase1.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
+from nv.oracle.multinomial import multinomial_counts
 from nv.oracle.base import Oracle, Samples
-from nv.phase1 import common_set, estimate_both
-from nv.sampling import collect, load_samples
-from nv.spectrum import paper as paper_detector
-from nv.spectrum import robust as robust_detector
+from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.sampling import collect, load_samples
+from nv.phase1.spectrum import paper as paper_detector
+from nv.phase1.spectrum import robust as robust_detector
 
 R, VOCAB, D, N = 12, 300, 80, 20_000
 PAPER = {"p": 0.54, "g": 128, "w": None, "w_s": None, "lam_sad": float(np.pi), "lam_peak": float(np.pi / 2)}

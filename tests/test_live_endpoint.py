@@ -18,9 +18,9 @@ import yaml
 from faultproxy import FaultProxy
 from nv.cli import main
 from nv.errors import NVError
-from nv.journal import Journal, request_key
+from nv.oracle.journal import Journal, request_key
 from nv.live import binding
-from nv.llama_server import LlamaServer, free_port
+from nv.models.llama_server import LlamaServer, free_port
 from nv.oracle.http import HTTPOracle
 
 NV = [sys.executable, "-m", "nv.cli", "attack"]
@@ -337,7 +337,7 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
 def test_dry_run_theory_is_theorem_1_inverted():
     """The dry run's guaranteed |C| is the largest d whose Theorem 1 sample bound the planned N meets."""
     from nv.live import guaranteed_common_size
-    from nv.theory import theorem1_samples
+    from nv.theory.sample_complexity import theorem1_samples
 
     for N, D, V in [(300_000, 3000, 4096), (300_000, 3000, 16384), (5_000, 200, 1024), (4_000, 50, 1024)]:
         d = guaranteed_common_size(N, D, V)
@@ -375,7 +375,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path):
     """`--timing-calibration`: after phase 1 the endpoint is timed on the sweep of d_hat and L_hat (§4.2
     basic estimator, Eq. 9) and gamma_g / (k beta) (Eq. 10) are reported from those timings; without
     d_hat it says why not."""
-    from nv.timing_fit import attention_regime, depth_basic, fit_gamma, total_params
+    from nv.phase2.fit import attention_regime, depth_basic, fit_gamma, total_params
 
     cal_path = tmp_path / "calibration.json"
     cal_path.write_text(json.dumps(CALIBRATION))

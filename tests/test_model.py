@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from nv.errors import NVError
-from nv.model import load_model, resolve
-from nv.prompts import PromptFormat
+from nv.models.loading import load_model, resolve
+from nv.oracle.prompts import PromptFormat
 
 
 def test_embedded_architecture_from_config(lm32):

@@ -5,7 +5,7 @@ import pytest
 from scipy import stats
 
 from nv.errors import NVError
-from nv.multinomial import multinomial_counts
+from nv.oracle.multinomial import multinomial_counts
 
 
 @pytest.mark.parametrize("n", [500, 50_000, 10**6])

@@ -5,7 +5,7 @@ import pytest
 import scipy.sparse as sp
 
 from nv.errors import NVError
-from nv.prune import _column_bitmap, greedy_prune
+from nv.phase1.prune import _column_bitmap, greedy_prune
 
 
 def brute_force(mask):

@@ -7,8 +7,8 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.sampling import collect, load_samples
-from nv.search import ALPHABETS, search_prompts
+from nv.phase1.sampling import collect, load_samples
+from nv.phase1.search import ALPHABETS, search_prompts
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import numpy as np
 
 from nv.oracle import Simulator
-from nv.search import random_prompts
+from nv.phase1.search import random_prompts
 
 
 def test_full_logprob_matrix_drops_at_the_hidden_dimension(lm32):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.spectrum import estimate, gram_eigenvalues, paper, paper_from_eigenvalues, robust, snap
+from nv.phase1.spectrum import estimate, gram_eigenvalues, paper, paper_from_eigenvalues, robust, snap
 
 
 def to_bf16(x):

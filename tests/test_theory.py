@@ -1,4 +1,4 @@
-"""Sample complexity (nv.theory) against Monte-Carlo simulation of random subsets, and stability at scale."""
+"""Sample complexity (nv.theory.sample_complexity) against Monte-Carlo simulation of random subsets, and stability at scale."""
 
 import math
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.theory import (
+from nv.theory.sample_complexity import (
     corollary1_samples,
     empirical_samples,
     expected_common_size,

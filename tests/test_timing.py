@@ -1,5 +1,5 @@
-"""Phase 2 collection (nv.timing) on the real embedded model in process, the random-weight reference
-family (nv.reference_family) and the leave-one-out evaluation (nv.timing_eval)."""
+"""Phase 2 collection (nv.phase2.protocol) on the real embedded model in process, the random-weight reference
+family (nv.models.reference_family) and the leave-one-out evaluation (nv.phase2.evaluation)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.reference_family import Shape, random_llama, shape_from_entry, write_gguf
-from nv.timing import BASELINE, collect_timings, summarize, timing_prompt
-from nv.timing_eval import evaluate, held_out
-from nv.timing_fit import scaling_relation
+from nv.models.reference_family import Shape, random_llama, shape_from_entry, write_gguf
+from nv.phase2.protocol import BASELINE, collect_timings, summarize, timing_prompt
+from nv.phase2.evaluation import evaluate, held_out
+from nv.phase2.fit import scaling_relation
 
 LENGTHS = [48, 96]
 RUN = {"model": "embedded", "platform": "inprocess"}
@@ -103,7 +103,7 @@ def test_random_llama_has_the_requested_shape(lm32):
 def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
     import gguf
 
-    from nv.model import embedded_gguf
+    from nv.models.loading import embedded_gguf
 
     shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
     path = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), embedded_gguf(), tmp_path / "tiny.gguf")
@@ -156,8 +156,8 @@ def test_real_timing_through_a_llamacpp_server(lm32):
     """Both timed models of a cross-platform run on the real llama.cpp server (HTTP, 127.0.0.1):
     the embedded GGUF target and a random-weight reference written as GGUF on the fly."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by `make test`")
-    from nv.model import embedded_gguf
-    from nv.timing_models import TimedModel, platform_oracle
+    from nv.models.loading import embedded_gguf
+    from nv.phase2.platforms import TimedModel, platform_oracle
 
 
     shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
@@ -174,7 +174,7 @@ def test_real_timing_through_a_llamacpp_server(lm32):
 
 
 def test_a_real_reference_model_keeps_its_true_shape(lm32):
-    from nv.timing_models import reference_model
+    from nv.phase2.platforms import reference_model
 
     real = reference_model("smollm2", {"spec": "embedded"}, lm32, seed=0)
     assert (real.d_used, real.d_kv_used, real.d_ffn_used, real.p_max) == (576, 192, 1536, 8192)
@@ -183,7 +183,7 @@ def test_a_real_reference_model_keeps_its_true_shape(lm32):
 
 
 def test_target_sweep_takes_phase1_d_hat(tmp_path):
-    from nv.timing_models import target_d_hat
+    from nv.phase2.platforms import target_d_hat
 
     metrics = tmp_path / "hidden_dim.json"
     with pytest.raises(NVError, match="run phase 1"):

@@ -1,11 +1,11 @@
-"""Phase 2 fitting (nv.timing_fit) on synthetic Eq. 2 timings and the paper's App. D / Eq. 3 numbers."""
+"""Phase 2 fitting (nv.phase2.fit) on synthetic Eq. 2 timings and the paper's App. D / Eq. 3 numbers."""
 
 import numpy as np
 import pytest
 from scipy import optimize, stats
 
 from nv.errors import NVError
-from nv.timing_fit import (
+from nv.phase2.fit import (
     Timings,
     attention_regime,
     crossover_length,

@@ -1,4 +1,7 @@
-"""Oracle backends behind one interface (see ``nv.oracle.base``)."""
+"""The API the attack talks to (§2 threat model, §5 cost metric): one interface (``base.Oracle``:
+sample, argmax, time_request; every call charged with §5's token formula) and its backends, the
+white-box ``simulator`` over a local model (exact ``multinomial`` draws) and the ``http`` client of any
+OpenAI-compatible endpoint with its append-only ``journal``; ``prompts``: chat formatting and cost."""
 
 from nv.oracle.base import LOGPROB_MODES, Cost, Oracle, Samples, TimedCall
 from nv.oracle.http import HTTPOracle

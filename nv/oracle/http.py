@@ -6,7 +6,7 @@ and default system prompt) or plain completion with ``max_tokens = 1``, temperat
 paper's threat model (§2, Alg. 1 line 4). ``n`` > 1 samples ride on one request (one prefill)
 where the server honours ``n`` (``probe`` finds out). Requests are deterministic functions of
 (prompt, sample index, seed): each carries its own ``seed``, so a resumed run asks exactly what an
-uninterrupted one would, and every paid reply is journaled (``nv.journal``) before it is used.
+uninterrupted one would, and every paid reply is journaled (``nv.oracle.journal``) before it is used.
 
 Token identity: the token's ``bytes`` when the server sends them (OpenAI, vLLM), a vLLM
 ``token_id:N`` string, else its text (llama.cpp). Text that cannot identify a token (empty, or with
@@ -39,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from nv.errors import NVError
-from nv.journal import Journal, canonical, request_key
+from nv.oracle.journal import Journal, canonical, request_key
 from nv.oracle.base import Cost, Oracle, Samples, TimedCall, check_sampling
 
 PROBE_PROMPT = "Hello"

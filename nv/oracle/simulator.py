@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from nv.errors import NVError
-from nv.model import LoadedModel, load_model
-from nv.multinomial import multinomial_counts
+from nv.models.loading import LoadedModel, load_model
+from nv.oracle.multinomial import multinomial_counts
 from nv.oracle.base import LOGPROB_MODES, Oracle, Samples, TimedCall, check_sampling
-from nv.prompts import PromptFormat
+from nv.oracle.prompts import PromptFormat
 
 LOGIT_PRECISIONS = ("bfloat16", "float32")
 

@@ -1,6 +1,6 @@
 """A llama.cpp server (llama-cpp-python) on 127.0.0.1: the live endpoint of the tests and for users.
 
-``python -m nv.llama_server [--model PATH|embedded] [--port P] [--n-ctx N]`` serves one GGUF
+``python -m nv.models.llama_server [--model PATH|embedded] [--port P] [--n-ctx N]`` serves one GGUF
 (default: the embedded SmolLM2-135M) through llama-cpp-python's OpenAI-compatible app, bound to
 127.0.0.1 only, with ``logits_all`` on (llama.cpp returns log-probs only then: the T = 1
 pre-sampling values). ``logits_all`` computes the |V| logits of every prompt position, which made
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import httpx
 
-from nv.errors import NVError
+from nv.errors import NVError, run_main
 
 HOST = "127.0.0.1"
 
 
 def _gguf(spec: str) -> Path:
-    from nv.model import EMBEDDED, embedded_gguf
+    from nv.models.loading import EMBEDDED, embedded_gguf
 
     path = embedded_gguf() if spec == EMBEDDED else Path(spec)
     if not path.is_file():
@@ -69,7 +69,7 @@ class LlamaServer:
         self.log_path: Path | None = None
 
     def start(self) -> LlamaServer:
-        cmd = [sys.executable, "-m", "nv.llama_server", "--model", str(self.gguf), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "nv.models.llama_server", "--model", str(self.gguf), "--port", str(self.port),
                "--n-ctx", str(self.n_ctx), "--alias", self.model_name]
         if self.n_threads:
             cmd += ["--n-threads", str(self.n_threads)]
@@ -150,7 +150,7 @@ def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nv.llama_server",
+    parser = argparse.ArgumentParser(prog="python -m nv.models.llama_server",
                                      description="Serve a GGUF with llama.cpp on 127.0.0.1 (OpenAI-compatible, log-probs on).")
     parser.add_argument("--model", default="embedded", help="a .gguf file, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--port", type=int, default=8080)
@@ -159,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alias", default=None, help="model name the server answers to (default: the file name)")
     parser.add_argument("--no-logprobs", action="store_true", help="logits_all off: faster prefill, no log-probs")
     args = parser.parse_args(argv)
-    try:
-        serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs)
-    except NVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_main(lambda: serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs))
 
 
 if __name__ == "__main__":

@@ -244,7 +244,7 @@ def empirical_samples(
     increasing sample counts ``grid`` and returns the smallest grid N whose pruned common set has
     >= d columns (bisection over the grid, assuming the size grows with N). ``prune`` maps the
     D x |V| csr observation mask to an object with ``.rows`` and ``.cols``; default
-    ``nv.prune.greedy_prune``. The summary is mean + 1.645 sd (ddof=1) over the runs.
+    ``nv.phase1.prune.greedy_prune``. The summary is mean + 1.645 sd (ddof=1) over the runs.
     """
     logp = _check_logp(logp)
     grid = np.asarray(grid, dtype=np.int64)
@@ -253,7 +253,7 @@ def empirical_samples(
     if runs < 2:
         raise NVError(f"need at least 2 runs for a standard deviation, got {runs}")
     if prune is None:
-        from nv.prune import greedy_prune as prune
+        from nv.phase1.prune import greedy_prune as prune
     rngs = [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(runs)]
     per_run = np.array([grid[_first_level(logp, d, grid, rng, prune)] for rng in rngs], dtype=np.float64)
     mean, sd = float(per_run.mean()), float(per_run.std(ddof=1))

@@ -6,8 +6,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.timing_eval import timings
-from nv.timing_fit import fit_gamma, fit_scaling, scaling_relation
+from nv.phase2.evaluation import timings
+from nv.phase2.fit import fit_gamma, fit_scaling, scaling_relation
 
 _LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
 

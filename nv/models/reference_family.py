@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from nv.errors import NVError
-from nv.model import LoadedModel, architecture
+from nv.models.loading import LoadedModel, architecture
 
 HEAD_DIM = 64
 

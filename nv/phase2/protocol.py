@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.base import Oracle, TimedCall
-from nv.timing_fit import prefill_times
+from nv.phase2.fit import prefill_times
 
 log = logging.getLogger(__name__)
 

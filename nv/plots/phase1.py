@@ -1,25 +1,12 @@
-"""Figures shared by the notebooks. Each function draws on new axes and returns the figure."""
+"""Figures of phase 1 (§4.1, App. B.1) and the model card. Each function draws on new axes and returns the figure."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import matplotlib.pyplot as plt
+import numpy as np
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from nv.entropy import entropy_nats, top_k_mass  # noqa: E402
-
-
-def save(fig, path: str | Path) -> Path:
-    """Save ``fig`` as PNG (deterministic metadata) and close it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    return path
+from nv.phase1.entropy import entropy_nats, top_k_mass
+from nv.plots import mark_truth
 
 
 def temperature_entropy(rows: dict[str, np.ndarray], temperatures: tuple[float, float], top_k: int):
@@ -90,11 +77,6 @@ def coverage(coverage_per_token: np.ndarray, D: int, D_prime: int, C: int):
     return fig
 
 
-def _mark_truth(ax, d_true):
-    if d_true:
-        ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
-
-
 def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | None):
     """The spectrum comparison figure: (a) full-logit singular values (white-box), (b) common-set
     eigenvalues, (c) a_i = arctan(lambda_i), (d) slope s_tilde with saddle, peak and AOI; the
@@ -103,7 +85,7 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     a, b, c, d = axes.ravel()
     if full_sigma is not None:
         a.semilogy(np.arange(1, len(full_sigma) + 1), full_sigma, color="C2")
-        _mark_truth(a, d_true)
+        mark_truth(a, d_true)
         a.legend(fontsize=8)
     a.set_title("(a) full log-prob matrix, white-box, float32 logits (row-centred)")
     a.set_xlabel("index i")
@@ -116,7 +98,7 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
         b.axvline(robust.d_hat_raw, color="C1", ls="--", label=f"robust d_hat = {robust.d_hat_raw}")
     else:
         b.axvline(robust.lower_bound, color="C1", ls="-.", label=f"robust: not saturated, d >= {robust.lower_bound}")
-    _mark_truth(b, d_true)
+    mark_truth(b, d_true)
     b.set_title("(b) common-set spectrum")
     b.set_xlabel("index i")
     b.set_ylabel("eigenvalue lambda_i")
@@ -125,7 +107,7 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     c.plot(np.arange(1, len(av) + 1), av, color="C0")
     c.axhline(np.arctan(np.pi), color="0.5", ls="--", lw=0.8, label="arctan(pi), arctan(pi/2)")
     c.axhline(np.arctan(np.pi / 2), color="0.5", ls="--", lw=0.8)
-    _mark_truth(c, d_true)
+    mark_truth(c, d_true)
     c.set_title("(c) arctan-transformed spectrum a_i")
     c.set_xlabel("index i")
     c.set_ylabel("a_i = arctan(lambda_i)")
@@ -140,7 +122,7 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
         d.axvspan(i_sad, i_peak, color="C4", alpha=0.1, label="AOI")
     if paper.d_hat_raw is not None:
         d.axvline(paper.d_hat_raw, color="C3", ls="--", label=f"paper d_hat = {paper.d_hat_raw}")
-    _mark_truth(d, d_true)
+    mark_truth(d, d_true)
     d.set_title(f"(d) windowed slope; paper detector: {paper.reason}")
     d.set_xlabel("index i")
     d.set_ylabel("d a_i / d i")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from nv.plots import mark_truth
 
 PAPER_OVERHEAD = (12, 190)  # §5: NightVision costs ~12-190x the logit-bias attack (23 configurations)
 
@@ -50,8 +49,7 @@ def carlini_vs_common_set(carlini: dict[str, tuple[np.ndarray, int]], common_sig
     if common_d_hat is not None:
         b.axvline(common_d_hat, color="C1", ls="--", label=f"robust d_hat = {common_d_hat}")
     for ax in (a, b):
-        if d_true:
-            ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
+        mark_truth(ax, d_true)
         ax.set_xlabel("index i")
         ax.set_ylabel("singular value sigma_i")
         ax.legend(fontsize=8)
@@ -63,7 +61,7 @@ def carlini_vs_common_set(carlini: dict[str, tuple[np.ndarray, int]], common_sig
 
 def cost_overhead(d: int, overhead: dict):
     """Fig. carlini-vs-us for one model: NightVision's tokens to reach the error target over Carlini's
-    d |V| (l_sys + 2) (``overhead`` from nv.carlini.cost_overhead), annotated with the samples per prompt
+    d |V| (l_sys + 2) (``overhead`` from nv.theory.carlini.cost_overhead), annotated with the samples per prompt
     N it took; an arrow marks a lower bound when the target was never reached."""
     fig, ax = plt.subplots(figsize=(6, 4))
     lo, hi = PAPER_OVERHEAD

@@ -19,10 +19,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from nv.errors import NVError
-from nv.phase1 import common_set
-from nv.plots import spectrum_panels
-from nv.sampling import MANIFEST, load_samples
-from nv.spectrum import SpectrumEstimate, gram_eigenvalues, paper_from_eigenvalues, robust_from_singular_values
+from nv.phase1.pipeline import common_set
+from nv.plots.phase1 import spectrum_panels
+from nv.phase1.sampling import MANIFEST, load_samples
+from nv.phase1.spectrum import SpectrumEstimate, gram_eigenvalues, paper_from_eigenvalues, robust_from_singular_values
 
 STORED = "stored"  # the budget of the source as it was saved
 
@@ -40,7 +40,7 @@ class Spectra:
 
 
 def spectra_from_matrix(Y, label: str) -> Spectra:
-    """Both spectra of the pruned matrix Y (D' x |C|), exactly as `nv.spectrum.paper` / `robust` form them."""
+    """Both spectra of the pruned matrix Y (D' x |C|), exactly as `nv.phase1.spectrum.paper` / `robust` form them."""
     Y = np.asarray(Y, dtype=np.float64)
     if Y.ndim != 2 or min(Y.shape) < 2:
         raise NVError(f"{label}: the common set is {Y.shape}, too small for a spectrum (need >= 2 x 2)")
@@ -115,7 +115,7 @@ class Source:
 
 def draw(source: Source, budget, paper: dict, robust: dict, full_sigma=None, d_true: int | None = None):
     """Recompute both estimates at ``budget`` for these hyperparameters; return them and the four
-    spectrum panels (`nv.plots.spectrum_panels`) titled with the source and the hyperparameters."""
+    spectrum panels (`nv.plots.phase1.spectrum_panels`) titled with the source and the hyperparameters."""
     spectra = source.spectra(budget)
     estimates = recompute(spectra, paper, robust)
     fig = spectrum_panels(full_sigma, estimates["paper"], estimates["robust"], d_true)

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from nv.errors import NVError
-from nv.model import LoadedModel, default_cache_dir, embedded_gguf, load_model, resolve
+from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, load_model, resolve
 from nv.oracle import Oracle, Simulator
-from nv.reference_family import random_llama, shape_from_entry, write_gguf
-from nv.timing import collect_timings, summarize
-from nv.timing_fit import sweep_lengths
+from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
+from nv.phase2.protocol import collect_timings, summarize
+from nv.phase2.fit import sweep_lengths
 
 
 @dataclass
@@ -111,7 +111,7 @@ def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, 
         finally:
             torch.set_num_threads(before)
     elif platform == "llamacpp":
-        from nv.llama_server import LlamaServer
+        from nv.models.llama_server import LlamaServer
         from nv.oracle.http import HTTPOracle
 
         # no log-probs: with them llama.cpp computes logits at every prompt position (~3x the prefill here)

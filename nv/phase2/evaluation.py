@@ -8,7 +8,7 @@ L_hat_g = gamma^tgt_g / (k beta^ref) (Eq. 10), with k = 1 on the reference platf
 (n_kv/n_heads = 1/4, d_ffn/d = 3.5, untied: the paper) and with the model's true ratios and tying
 (the registry case); the vocabulary is known, as the paper assumes.
 
-Records are the per-platform JSON files ``nv.timing_models.time_model`` writes.
+Records are the per-platform JSON files ``nv.phase2.platforms.time_model`` writes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.timing_fit import (
+from nv.phase2.fit import (
     Timings,
     attention_regime,
     cross_platform_depth,

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nv.plots import save, spectrum_panels
-from nv.prune import Pruned, greedy_prune
-from nv.sampling import SampledMatrix, collect, load_samples
-from nv.search import search_prompts
-from nv.spectrum import SpectrumEstimate, estimate, snap
+from nv.plots import save
+from nv.plots.phase1 import spectrum_panels
+from nv.phase1.prune import Pruned, greedy_prune
+from nv.phase1.sampling import SampledMatrix, collect, load_samples
+from nv.phase1.search import search_prompts
+from nv.phase1.spectrum import SpectrumEstimate, estimate, snap
 
 
 @dataclass

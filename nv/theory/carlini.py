@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nv.errors import NVError
-from nv.spectrum import gram_eigenvalues
+from nv.phase1.spectrum import gram_eigenvalues
 
 if TYPE_CHECKING:
     from nv.oracle.simulator import Simulator
@@ -69,7 +69,7 @@ def logit_matrix(
 def singular_values(Q: np.ndarray, centre: bool = True) -> np.ndarray:
     """sigma_1 >= sigma_2 >= ... of Q (row-centred when ``centre``), over its NaN-free columns.
 
-    Computed as sqrt of the float64 Gram eigenvalues (nv.spectrum.gram_eigenvalues): accurate for
+    Computed as sqrt of the float64 Gram eigenvalues (nv.phase1.spectrum.gram_eigenvalues): accurate for
     sigma_i >~ 1e-8 sigma_1, below the noise floor of float32 logits (~6e-8 sigma_1 on the embedded
     model) and far below that of bf16 logits.
     """

@@ -19,8 +19,8 @@ import numpy as np
 
 from nv.errors import NVError
 from nv.oracle.base import Oracle
-from nv.timing import collect_timings, summarize
-from nv.timing_fit import attention_regime, depth_basic, fit_gamma, infer_depth, sweep_lengths, total_params
+from nv.phase2.protocol import collect_timings, summarize
+from nv.phase2.fit import attention_regime, depth_basic, fit_gamma, infer_depth, sweep_lengths, total_params
 
 CALIBRATION_KEYS = ("platform", "beta", "alpha", "r", "trials", "warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")
 

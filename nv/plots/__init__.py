@@ -1,0 +1,28 @@
+"""Figures, one module per part of the paper: ``phase1`` (§4.1, App. B.1: prompt search, sampling,
+common set, spectrum panels, budget sweep), ``theory`` (§5.2, App. F: sample complexity, Carlini
+baseline), ``phase2`` (§4.2, App. B.3: timing scaling, calibration, errors), ``overall`` (§5.1).
+The helpers every figure shares live here: the non-interactive backend, ``save`` and ``mark_truth``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def save(fig, path: str | Path) -> Path:
+    """Save ``fig`` as PNG (deterministic metadata) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def mark_truth(ax, d_true: int | None) -> None:
+    """A dotted vertical line at the true hidden dimension, when it is known."""
+    if d_true:
+        ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
