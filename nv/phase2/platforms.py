@@ -54,22 +54,24 @@ class TimedModel:
 
 def reference_model(name: str, entry: dict, target: LoadedModel, seed: int) -> TimedModel:
     """A reference model of F: a real model ``{spec}`` (hub id, folder or .gguf; GPU profile), or a
-    random-weight LLaMA of the given shape with the target's tokenizer and context length."""
+    random-weight LLaMA of the given shape with the target's tokenizer and context length, on the
+    target's device (both are timed on the same hardware)."""
     dtype = str(target.model.dtype).removeprefix("torch.")
+    device = target.model.device.type
     if "spec" in entry:
-        lm = load_model(entry["spec"], dtype=dtype)
+        lm = load_model(entry["spec"], dtype=dtype, device=device)
         source, gguf = resolve(entry["spec"])
         a = lm.arch
         return TimedModel(name, "reference", lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions,
                           Path(source) / gguf if gguf else None)
     shape = shape_from_entry(entry, target.arch.vocab_size, target.arch.max_positions)
-    lm = random_llama(shape, target.tokenizer, dtype, seed, name)
+    lm = random_llama(shape, target.tokenizer, dtype, seed, name, device)
     return TimedModel(name, "reference", lm, shape.d, shape.d_kv, shape.d_ffn, shape.max_positions, synthetic=True)
 
 
 def target_model(model: dict, timing: dict, target: dict, d_hat: int) -> TimedModel:
     """The attacked model: its d_kv and d_ffn are unknown, so its sweep takes d_hat and the default ratios."""
-    lm = load_model(model["spec"], dtype=model["dtype"])
+    lm = load_model(model["spec"], dtype=model["dtype"], device=model["device"])
     source, gguf = resolve(model["spec"])
     return TimedModel(model["spec"], "target", lm, d_hat, timing["kv_ratio"] * d_hat, timing["ffn_ratio"] * d_hat,
                       target["p_max"], Path(source) / gguf if gguf else None)
