@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 SERVER := $(VENV)/.server-installed
 MODELS := $(VENV)/nv-models
+LAB    := $(VENV)/.lab-installed
 export JUPYTER_PREFER_ENV_PATH := 1
 export HF_HUB_OFFLINE ?= 1
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -41,16 +42,24 @@ repro: $(STAMP) $(SERVER)
 	$(if $(PROFILE),$(BIN)/python -m nv.profile apply profiles/$(PROFILE).yaml)
 	$(BIN)/dvc repro
 
-test: $(STAMP) $(SERVER)
+# JupyterLab (`make lab`) and what the browser test drives: Debian's chromium (apt, as root) and playwright.
+$(LAB): $(STAMP) requirements-interactive.txt
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium is not installed and cannot be installed here (apt as root): the browser test will say so"
+	$(BIN)/pip install --quiet -r requirements-interactive.txt
+	touch $@
+
+test: $(STAMP) $(SERVER) $(LAB)
 	$(BIN)/dvc pull --quiet data.dvc
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
-lab: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[interactive]'
-	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1
+# --allow-root where make runs as root (containers, CI, GPU machines): JupyterLab refuses root otherwise.
+lab: $(LAB)
+	$(BIN)/jupyter lab --no-browser --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean-venv:
 	rm -rf $(VENV)

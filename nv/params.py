@@ -66,6 +66,7 @@ SCHEMA: dict[str, dict] = {
         "template": _BOOL,
         "logprobs": _one_of("processed", "raw"),
         "logits": _one_of("bfloat16", "float32"),
+        "argmax_dtype": _one_of("bfloat16", "float32"),
         "batch_size": _POS_INT,
     },
     "model_card": {

@@ -1,8 +1,10 @@
 """Interactive inspection: nv.phase1.inspect's cached recompute and the notebook executed headless by papermill.
 
-The input is real pipeline data at tiny size: a model whose logits have rank R exactly, sampled through
-nv.phase1.sampling.collect (shards + manifest as the sampling stage writes them) and pruned by nv.phase1.pipeline.common_set
-into common_set.npz as the pruning stage stores it.
+The input is synthetic, not a real model's: a toy oracle (``LowRankOracle``, a random linear "LM" over a
+300-token vocabulary whose logits have rank R exactly, so the right answer is known) stands in for the model, and
+only the code around it is the pipeline's own: its samples go through nv.phase1.sampling.collect (shards + manifest
+as the sampling stage writes them) and nv.phase1.pipeline.common_set into common_set.npz as the pruning stage stores
+it. The spectral estimators on the real SmolLM2 common set are tested in tests/test_softmax_bottleneck.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ ROBUST = {"g": 8, "z_min": 8.0, "min_ratio": 1.05}
 
 
 class LowRankOracle(Oracle):
-    """A toy LM: the logits of prompt q are h_q W^T with h_q in R^R, so log_softmax(z / tau) has rank R + 1."""
+    """A synthetic toy LM (no real model): the logits of prompt q are h_q W^T with h_q in R^R drawn from the prompt's
+    bytes, so log_softmax(z / tau) has rank R + 1 and the right answer d = R is known exactly."""
 
     def __init__(self):
         super().__init__()
@@ -54,7 +57,8 @@ class LowRankOracle(Oracle):
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
-    """A project root with outputs/sampling/samples and outputs/pruning/common_set.npz of the toy LM."""
+    """A project root with outputs/sampling/samples and outputs/pruning/common_set.npz of the toy LM (synthetic data
+    in the stages' file formats, written by the pipeline's own collect and common_set)."""
     root = tmp_path_factory.mktemp("inspect")
     prompts = [f"prompt {q}" for q in range(D)]
     samples = collect(LowRankOracle(), prompts, N, 2.0, 0, root / "outputs" / "sampling" / "samples", VOCAB,

@@ -88,3 +88,20 @@ def test_timing_sections_are_checked(tmp_path, params, edit, message):
 def test_a_reference_model_may_be_a_real_model_spec(tmp_path, params):
     params["timing_family"] = {"smollm2": {"spec": "embedded"}}
     assert load_params(write(tmp_path, params))["timing_family"] == {"smollm2": {"spec": "embedded"}}
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: p["model"].update(colour="blue"), r"params: unknown key 'model.colour' \(known: spec, dtype, "),
+        (lambda p: p["spectrum"]["robust"].update(zmin=9), r"params: unknown key 'spectrum.robust.zmin' \(known: g, z_min, min_ratio\)"),
+        (lambda p: p["timing"]["platforms"]["inprocess"].update(cores=4),
+         r"params: unknown key 'timing.platforms.inprocess.cores' \(known: r, trials, threads, references\)"),
+    ],
+)
+def test_load_params_refuses_an_unknown_key(tmp_path, params, edit, message):
+    """A misspelt key is an error of load_params itself (not only of nv.profile), one line naming it."""
+    edit(params)
+    with pytest.raises(NVError, match=message) as err:
+        load_params(write(tmp_path, params))
+    assert "\n" not in str(err.value)

@@ -70,7 +70,7 @@ def test_single_row():
 
 
 def test_rejects_dense_input():
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="needs a 2-D scipy.sparse observation mask"):
         greedy_prune(np.ones((2, 2)))
 
 

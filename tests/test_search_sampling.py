@@ -73,12 +73,27 @@ def test_interrupted_sampling_resumes_without_losing_finished_prompts(lm32, tmp_
 
 
 def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path):
-    prompts = ["abcde", "fghij", "klmno"]
-    sim = Simulator(lm32)
+    """A shard torn in the checkpoint folder of an interrupted run is sampled again on resume (with the
+    unfinished one), the finished intact shard is not, and the result equals an uninterrupted run's."""
+    prompts = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
     kw = dict(N=2000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=2, progress=False)
-    out = collect(sim, prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    with pytest.raises(KeyboardInterrupt):
+        collect(Interrupting(lm32, after=2), prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    (work,) = (tmp_path / "c").glob("sampling-*")
+    assert sorted(f.name for f in work.glob("shard-*")) == ["shard-0000000.npz", "shard-0000002.npz"]
+    intact = (work / "shard-0000000.npz").read_bytes()
+    (work / "shard-0000002.npz").write_bytes(b"torn")
+    resumed = Simulator(lm32)
+    out = collect(resumed, prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    assert resumed.cost.calls == 3 * 2000  # the torn shard's 2 prompts + the unfinished shard's 1, nothing else
+    assert (out / "shard-0000000.npz").read_bytes() == intact
+    fresh = collect(Simulator(lm32), prompts, out_dir=tmp_path / "ref", checkpoint_root=tmp_path / "c2", **kw)
+    a, b = load_samples(out), load_samples(fresh)
+    assert (a.counts != b.counts).nnz == 0 and np.array_equal(a.logprobs.data, b.logprobs.data)
+    assert np.array_equal(a.prompt_tokens, b.prompt_tokens) and a.counts[2:4].nnz > 0
+    # a shard corrupted after the run finished is not silently used: the data are an error until resampled
     (out / "shard-0000002.npz").write_bytes(b"torn")
-    with pytest.raises(NVError, match="missing or corrupt"):
+    with pytest.raises(NVError, match="shard-0000002.npz is missing or corrupt: rerun the sampling stage"):
         load_samples(out)
     with pytest.raises(NVError, match="no sampling manifest"):
         load_samples(tmp_path / "nothing")

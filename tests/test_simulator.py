@@ -33,7 +33,7 @@ def test_prefix_reuse_matches_plain_forward(lm32, reference):
     for reuse in (True, False):
         sim = Simulator(lm32, logits="float32", batch_size=4, prefix_reuse=reuse)
         assert np.abs(sim.logits(PROMPTS) - reference).max() < 2e-4
-        assert (sim._prefix_kv is not None) == reuse
+        assert bool(sim._prefix_kv) == reuse
     prefix = sim.format.shared_prefix
     assert len(prefix) >= 20 and lm32.tokenizer.decode(prefix).endswith("user\n")  # system prompt + template head
 
@@ -125,7 +125,50 @@ def test_bad_sampling_requests_are_refused(lm32, n, tau, message):
     assert sim.cost.calls == 0
 
 
-@pytest.mark.parametrize("kwargs", [{"logprobs": "topk"}, {"logits": "fp8"}, {"batch_size": 0}])
-def test_bad_switches_are_refused(lm32, kwargs):
-    with pytest.raises(NVError):
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logprobs": "topk"}, r"logprobs must be one of \('processed', 'raw'\), got 'topk'"),
+    ({"logits": "fp8"}, r"logits must be one of \('bfloat16', 'float32'\), got 'fp8'"),
+    ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+])
+def test_bad_switches_are_refused(lm32, kwargs, message):
+    with pytest.raises(NVError, match=message):
         Simulator(lm32, **kwargs)
+
+
+def test_argmax_dtype_scores_in_float32_on_the_same_weights_and_restores_the_model():
+    """model.argmax_dtype: float32: the search's temperature-0 calls run the bf16-loaded weights in float32
+    (bf16 -> float32 is exact), so their log-probs equal a float32 copy of those weights, not bf16 compute."""
+    import copy
+
+    from nv.models.loading import load_model
+
+    lm = load_model("embedded", dtype="bfloat16")
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()} | {n: b.clone() for n, b in lm.model.named_buffers()}
+    scored = Simulator(lm, logits="float32", argmax_dtype="float32").argmax(PROMPTS)
+    after = dict(lm.model.state_dict()) | dict(lm.model.named_buffers())
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())  # bit-identical model
+    lm32 = copy.copy(lm)
+    lm32.model = copy.deepcopy(lm.model)
+    for p in lm32.model.parameters():
+        p.data = p.data.float()
+    exact = Simulator(lm32, logits="float32").argmax(PROMPTS)
+    bf16 = Simulator(lm, logits="float32").argmax(PROMPTS)
+    got, want, low = (np.array([s.logprobs[0] for s in x]) for x in (scored, exact, bf16))
+    assert np.abs(got - want).max() < 1e-5
+    assert np.abs(got - low).max() > 1e-3  # bf16 compute really differs: the switch is not a no-op
+    with pytest.raises(NVError, match=r"argmax_dtype must be one of \('bfloat16', 'float32'\), got 'float16'"):
+        Simulator(lm, argmax_dtype="float16")
+
+
+def test_each_prompt_is_tokenized_once_per_call(lm32):
+    sim = Simulator(lm32, logits="float32")
+    assert sim.format.shared_prefix  # computed once per simulator (two probe strings), before the count starts
+    calls = []
+    ids = sim.format.ids
+    sim.format.ids = lambda user: calls.append(user) or ids(user)
+    samples = sim.sample(PROMPTS, 10, 1.0, seeds=list(range(len(PROMPTS))))
+    assert sorted(calls) == sorted(PROMPTS)
+    assert [s.prompt_tokens for s in samples] == [len(ids(p)) for p in PROMPTS]
+    calls.clear()
+    sim.argmax(PROMPTS)
+    assert sorted(calls) == sorted(PROMPTS)

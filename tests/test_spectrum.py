@@ -2,7 +2,15 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.phase1.spectrum import estimate, gram_eigenvalues, paper, paper_from_eigenvalues, robust, snap
+from nv.phase1.spectrum import (
+    estimate,
+    gram_eigenvalues,
+    paper,
+    paper_from_eigenvalues,
+    robust,
+    robust_from_singular_values,
+    snap,
+)
 
 
 def to_bf16(x):
@@ -109,7 +117,7 @@ def test_paper_reports_missing_landmarks():
 def test_snap():
     assert snap(576, 128) == 640 and snap(576, 64) == 576 and snap(575, 64) == 576
     assert snap(577, 64) == 640 and snap(7, 1) == 7
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="grid spacing g must be >= 1, got 0"):
         snap(5, 0)
 
 
@@ -136,9 +144,58 @@ def test_estimate_dispatch_and_bad_input():
     assert estimate(Y).method == "robust" and estimate(Y).d_hat_raw == 64
     assert estimate(Y, "paper", p=0.5, g=64).g == 64
     assert estimate(Y, "robust", g=1).d_hat == 64
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="unknown spectrum method 'elbow'; choose from robust, paper"):
         estimate(Y, "elbow")
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="NaN or infinite entries; prune it first"):
         robust(np.full((5, 5), np.nan))
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match=r"2-D matrix with at least 2 rows and columns, got shape \(5,\)"):
         gram_eigenvalues(np.ones(5))
+
+
+def _marchenko_pastur_omega(beta):
+    """Gavish-Donoho omega(beta) = lambda*(beta) / sqrt(mu_beta) from its definition: lambda* of their Eq. (11)
+    and mu_beta the median of the Marchenko-Pastur law of aspect ratio beta (numerical integration)."""
+    from scipy import integrate, optimize
+
+    lo, hi = (1 - np.sqrt(beta)) ** 2, (1 + np.sqrt(beta)) ** 2
+    density = lambda x: np.sqrt((hi - x) * (x - lo)) / (2 * np.pi * beta * x)  # noqa: E731
+    median = optimize.brentq(lambda m: integrate.quad(density, lo, m)[0] - 0.5, lo, hi)
+    lam_star = np.sqrt(2 * (beta + 1) + 8 * beta / (beta + 1 + np.sqrt(beta**2 + 14 * beta + 1)))
+    return lam_star / np.sqrt(median)
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
+def test_gavish_donoho_lower_bound_uses_omega_of_beta(beta):
+    """The not-saturated lower bound counts sigma_i > omega(beta) median(sigma): two values placed 0.01 above
+    and below the exact omega(beta) (omega(1) = 2.858) are split by it, so the threshold is pinned to +-0.01."""
+    omega = _marchenko_pastur_omega(beta)
+    if beta == 1.0:
+        assert omega == pytest.approx(2.858, abs=5e-4)
+    bulk = np.geomspace(1.5, 0.6, 301)  # smooth: no eligible gap scores anywhere near z_min
+    med = np.median(np.concatenate([[9.0, 9.0, 9.0, 9.0, 9.0], bulk]))
+    top = np.array([3.6, omega + 0.01, omega - 0.01, 1.7, 1.6]) * med  # indices 1-5: ineligible for a drop
+    sigma = np.concatenate([top, bulk])
+    assert np.median(sigma) == med
+    est = robust_from_singular_values(sigma, beta)
+    assert (est.saturated, est.reason) == (False, "not saturated")
+    assert est.lower_bound == 2  # 3.6 and omega + 0.01; not omega - 0.01
+
+
+def test_paper_detector_default_windows_scale_with_n():
+    """At n = 2,900 (the real common set's size) the defaults are w = floor(n/50) = 58 and w_s = floor(n/100) = 29,
+    not the floor of 20: the slope is the least-squares slope over [i - 58, i + 58] and s_tilde its centred mean over
+    [i - 29, i + 29], checked against np.polyfit; a saturated designed spectrum is found at its d."""
+    n, d = 2900, 1000
+    i = np.arange(n)
+    lam = np.where(i < d, 10 ** (2 - 2.5 * i / d), 10 ** (-2 - 3 * ((i - d) / (n - d)) ** 3))
+    est = paper_from_eigenvalues(lam, g=1)
+    diag = est.diagnostics
+    for k in (300, 1000, 2000):
+        expected = np.polyfit(np.arange(k - 58, k + 59), diag["a"][k - 58 : k + 59], 1)[0]
+        assert diag["slope"][k] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+        assert diag["s_tilde"][k] == pytest.approx(diag["slope"][k - 29 : k + 30].mean(), rel=1e-9, abs=1e-15)
+    explicit = paper_from_eigenvalues(lam, g=1, w=58, w_s=29).diagnostics
+    np.testing.assert_array_equal(diag["s_tilde"], explicit["s_tilde"])
+    assert not np.allclose(diag["s_tilde"], paper_from_eigenvalues(lam, g=1, w=20, w_s=20).diagnostics["s_tilde"])
+    assert (est.reason, est.saturated) == ("ok", True)
+    assert diag["i_sad"] <= d <= diag["i_peak"] and est.d_hat_raw == d

@@ -94,7 +94,7 @@ def test_expected_samples_inverts_mu():
         assert expected_common_size(logp, n) >= d > expected_common_size(logp, n - 1)
     # Corollary 1's guarantee needs mu(N) >= m > d, so its N is never below the expected N.
     assert tflat_samples(logp, 50.0)[0] >= n_real[1]
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match=r"targets d must lie in \(0, 300\)"):
         expected_samples(logp, V)
 
 
@@ -133,21 +133,21 @@ def test_empirical_samples_with_injected_pruning():
     assert strict.n95 <= tflat_samples(logp, d)[0]
     assert empirical_samples(logp, d, grid, runs=40, seed=1, prune=_strict).per_run.tolist() == strict.per_run.tolist()
     assert empirical_samples(logp, d, grid, runs=40, seed=1, prune=_drop_one).n95 < strict.n95
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="pruned common set stays below d=12 at the largest grid N=3"):
         empirical_samples(logp, d, grid[:3], runs=5, prune=_strict)
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call, message",
     [
-        lambda: theorem1_samples(10, 5, 100, delta=1.0),
-        lambda: theorem1_samples(10, 5, 100, delta=0.0),
-        lambda: theorem1_samples(200, 5, 100),
-        lambda: theorem1_samples(-1, 5, 100),
-        lambda: corollary1_samples(10, 5, 50, t=0.05),
-        lambda: expected_common_size(np.zeros(3), 10),
+        (lambda: theorem1_samples(10, 5, 100, delta=1.0), r"delta must be in \(0, 1\), got 1.0"),
+        (lambda: theorem1_samples(10, 5, 100, delta=0.0), r"delta must be in \(0, 1\), got 0.0"),
+        (lambda: theorem1_samples(200, 5, 100), r"d=200 unreachable: .* >= \|V'\| = 100"),
+        (lambda: theorem1_samples(-1, 5, 100), "target common-set size d must be positive, got -1"),
+        (lambda: corollary1_samples(10, 5, 50, t=0.05), r"flatness t must be in \(0, 1\) with t \|V'\| <= 1, got t=0.05"),
+        (lambda: expected_common_size(np.zeros(3), 10), r"non-empty D x \|V\| matrix, got shape \(3,\)"),
     ],
 )
-def test_bad_input_raises(call):
-    with pytest.raises(NVError):
+def test_bad_input_raises(call, message):
+    with pytest.raises(NVError, match=message):
         call()

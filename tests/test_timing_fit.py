@@ -61,9 +61,9 @@ def test_sweep_cap_and_errors():
     assert ell[0] == 7987 and ell[-1] == 19800 and len(ell) == 25
     small = sweep_lengths(576, 192, 1536, 8192)  # SmolLM2-135M: ell* = 1843, ell_cap = max(3686, 2304)
     assert crossover_length(576, 192, 1536) == 1843 and small[0] == 922 and small[-1] == 3686
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="p_max=4096 leaves no room for a sweep starting at 0.5 ell\\* = 7987"):
         sweep_lengths(4096, 1024, 14336, 4096)
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="d, d_kv, d_ffn and r must be positive, got -1, 1024, 14336, 0.6"):
         crossover_length(-1, 1024, 14336)
 
 
@@ -78,7 +78,7 @@ def test_trimmed_stats_and_baseline():
     T, sigma_T = prefill_times(trials, np.full(100, 0.25))
     np.testing.assert_allclose(T, mean - 0.25)
     np.testing.assert_allclose(sigma_T, sigma)
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="trim=0.4 on 3 trials leaves fewer than 2 kept trials"):
         trimmed_stats(np.ones(3), trim=0.4)
 
 
@@ -87,7 +87,7 @@ def test_attention_regime_discards_shortest():
     kept = attention_regime(ell, ell * 10, ell, n_discard=2)
     np.testing.assert_array_equal(kept[0], [3.0, 4.0, 5.0])
     np.testing.assert_array_equal(kept[1], [30.0, 40.0, 50.0])
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="cannot discard 4 of 5 points and still fit a line"):
         attention_regime(ell, ell, ell, n_discard=4)
 
 
@@ -139,7 +139,7 @@ def test_cross_platform_transfer_recovers_depth(noise):
 
 def test_cross_platform_needs_reference_depths():
     ref = _platform(MODELS, 1.0, ALPHA)
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="reference timings need the known layer counts L"):
         cross_platform_depth(Timings(ref.ell, ref.T, ref.sigma, ref.d), ref, ref)
 
 
@@ -150,12 +150,12 @@ def test_total_params_smollm2_135m():
     assert round(total_params(576, 30, 49152, **kw)) == 134_515_008 + 49152 * 576  # paper default: untied
     # Footnote to Eq. 3: d=4096, L=32 -> norms ~0.3M of ~8B.
     assert total_params(4096, 32, 128256) == pytest.approx(8.03e9, rel=1e-2)
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="d, L, V and the ratios must be positive, got d=0, L=30, V=49152"):
         total_params(0, 30, 49152)
 
 
 def test_relative_error():
     assert relative_error(30, 32) == pytest.approx(2 / 32)
     np.testing.assert_allclose(relative_error([36, 28], [32, 32]), [0.125, 0.125])
-    with pytest.raises(NVError):
+    with pytest.raises(NVError, match="relative error needs a positive true value theta"):
         relative_error(1.0, 0.0)

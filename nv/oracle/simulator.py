@@ -6,7 +6,9 @@ the cost counter is charged for N calls (§5).
 
 Switches (App. B hyperparameters): ``logprobs`` is ``processed`` (log_softmax(z / tau), the
 paper's assumption) or ``raw`` (log_softmax(z): vLLM's default, llama.cpp); ``logits`` is
-``bfloat16`` (rounded before the softmax, as deployed models serve) or ``float32``.
+``bfloat16`` (rounded before the softmax, as deployed models serve) or ``float32``; ``argmax_dtype`` is
+the compute precision of the temperature-0 calls that score the prompt search (float32: the ranking of
+near-tied prompts does not follow the last bits of a host's bf16 kernels; the weights are the same).
 
 Batches are right-padded and share the chat-template prefix: its KV cache is computed once
 and reused, so each prompt only runs its own ~6 suffix tokens.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -46,6 +49,7 @@ class Simulator(Oracle):
         logits: str = "bfloat16",
         batch_size: int = 32,
         prefix_reuse: bool = True,
+        argmax_dtype: str | None = None,
     ) -> None:
         super().__init__()
         if logprobs not in LOGPROB_MODES:
@@ -54,19 +58,23 @@ class Simulator(Oracle):
             raise NVError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
         if batch_size < 1:
             raise NVError(f"batch_size must be >= 1, got {batch_size}")
+        if argmax_dtype not in (None, *LOGIT_PRECISIONS):
+            raise NVError(f"argmax_dtype must be one of {LOGIT_PRECISIONS}, got {argmax_dtype!r}")
         self.lm = lm
         self.format = PromptFormat(lm.tokenizer, template)
         self.logprob_mode = logprobs
         self.logit_precision = logits
         self.batch_size = batch_size
         self.prefix_reuse = prefix_reuse
-        self._prefix_kv: list | None = None
+        self.argmax_dtype = argmax_dtype
+        self._prefix_kv: dict[object, list] = {}  # per compute dtype
 
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
         """A simulator configured by params.yaml's ``model`` section (loads the model if needed)."""
         lm = lm or load_model(model["spec"], dtype=model["dtype"], device=model.get("device", "auto"))
-        return cls(lm, model["template"], model["logprobs"], model["logits"], model["batch_size"])
+        return cls(lm, model["template"], model["logprobs"], model["logits"], model["batch_size"],
+                   argmax_dtype=model.get("argmax_dtype"))
 
     @property
     def vocab_size(self) -> int:
@@ -76,7 +84,7 @@ class Simulator(Oracle):
 
     def logits(self, prompts: Sequence[str]) -> np.ndarray:
         """Next-token logits z (len(prompts) x |V|, float64), rounded per ``logits`` switch."""
-        return np.concatenate([self._logits_batch(b) for b in self._batches(prompts)])
+        return np.concatenate([self._forward(b)[0] for b in self._batches(prompts)])
 
     def log_probs(self, prompts: Sequence[str], temperature: float = 1.0) -> np.ndarray:
         """Full log-probability rows y(tau) = log_softmax(z / tau) (white-box only)."""
@@ -90,25 +98,24 @@ class Simulator(Oracle):
             raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
         out = []
         for batch, batch_seeds in zip(self._batches(prompts), self._batches(seeds)):
-            for z, seed, prompt in zip(self._logits_batch(batch), batch_seeds, batch):
+            for z, ell, seed in zip(*self._forward(batch), batch_seeds):
                 y_tau = log_softmax(z / temperature)
                 counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau))
                 idx = np.flatnonzero(counts)
                 y = y_tau if self.logprob_mode == "processed" else log_softmax(z)
-                ell = self.format.prompt_tokens(prompt)
                 out.append(Samples(idx, y[idx], counts[idx], ell))
                 self.cost.charge(ell, calls=n)
         return out
 
     def argmax(self, prompts: Sequence[str]) -> list[Samples]:
-        """Temperature-0 calls; the log-prob reported is the T = 1 value log_softmax(z)."""
+        """Temperature-0 calls (forward pass in ``argmax_dtype``); the log-prob reported is the T = 1 value log_softmax(z)."""
         out = []
-        for batch in self._batches(prompts):
-            for z, prompt in zip(self._logits_batch(batch), batch):
-                top = int(np.argmax(z))
-                ell = self.format.prompt_tokens(prompt)
-                out.append(Samples(np.array([top]), log_softmax(z)[[top]], np.array([1]), ell))
-                self.cost.charge(ell, calls=1)
+        with self._compute_dtype(self.argmax_dtype):
+            for batch in self._batches(prompts):
+                for z, ell in zip(*self._forward(batch)):
+                    top = int(np.argmax(z))
+                    out.append(Samples(np.array([top]), log_softmax(z)[[top]], np.array([1]), ell))
+                    self.cost.charge(ell, calls=1)
         return out
 
     def time_request(self, prompt: str) -> TimedCall:
@@ -133,16 +140,38 @@ class Simulator(Oracle):
         for i in range(0, len(items), self.batch_size):
             yield items[i : i + self.batch_size]
 
-    def _prefix_cache(self) -> list:
-        """Per-layer (keys, values) of the shared template prefix, computed once."""
+    @contextmanager
+    def _compute_dtype(self, dtype: str | None):
+        """Run the model's parameters in ``dtype`` inside the block (None: as loaded). Only the parameters
+        are cast, there and back (bf16 -> float32 -> bf16 is exact); buffers such as RoPE's float32
+        inverse frequencies are left alone, so the model afterwards is bit-identical to before."""
         import torch
 
-        if self._prefix_kv is None:
+        loaded = self.lm.model.dtype
+        wanted = loaded if dtype is None else getattr(torch, dtype)
+        if wanted == loaded:
+            yield
+            return
+        params = [p for p in self.lm.model.parameters() if p.dtype == loaded]
+        for p in params:
+            p.data = p.data.to(wanted)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = p.data.to(loaded)
+
+    def _prefix_cache(self) -> list:
+        """Per-layer (keys, values) of the shared template prefix, computed once per compute dtype."""
+        import torch
+
+        dtype = self.lm.model.dtype
+        if dtype not in self._prefix_kv:
             with torch.inference_mode():
                 ids = torch.tensor([self.format.shared_prefix], device=self.lm.model.device)
                 cache = self.lm.model.base_model(input_ids=ids, use_cache=True).past_key_values
-            self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return self._prefix_kv
+            self._prefix_kv[dtype] = [(layer.keys, layer.values) for layer in cache.layers]
+        return self._prefix_kv[dtype]
 
     def _prefix_len(self, ids: list[list[int]]) -> int:
         """Length of the template prefix if reused and every prompt extends it, else 0."""
@@ -151,7 +180,9 @@ class Simulator(Oracle):
             return len(prefix)
         return 0
 
-    def _logits_batch(self, prompts: Sequence[str]) -> np.ndarray:
+    def _forward(self, prompts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """Next-token logits z of one batch (float64, rounded per ``logits``) and each prompt's token count
+        (the §5 charge), from one tokenization per prompt."""
         import torch
         from transformers import DynamicCache
 
@@ -181,7 +212,7 @@ class Simulator(Oracle):
             z = self.lm.model.get_output_embeddings()(last)
         if self.logit_precision == "bfloat16":
             z = z.to(torch.bfloat16)
-        return z.float().cpu().numpy().astype(np.float64)
+        return z.float().cpu().numpy().astype(np.float64), [len(s) for s in ids]
 
     # -- logit-bias switch (simulator only) ------------------------------------------------
 
@@ -210,13 +241,13 @@ class Simulator(Oracle):
         y_biased = np.empty((len(prompts), tokens.size))
         q = 0
         for batch in self._batches(prompts):
-            for z, prompt in zip(self._logits_batch(batch), batch):
+            for z, ell in zip(*self._forward(batch)):
                 r = int(np.argmax(z))
                 u = z[tokens] - z[r]  # logits relative to the top one, so log Z is near 0
                 log_S = float(np.log(np.exp(z - z[r]).sum()))
                 log_S_biased = log_S + np.log1p(np.exp(u - log_S) * np.expm1(bias))
                 top[q], y_top[q] = r, -log_S
                 y_biased[q] = np.where(tokens == r, np.nan, np.maximum(0.0, u + bias) - log_S_biased)
-                self.cost.charge(self.format.prompt_tokens(prompt), calls=1 + int(np.count_nonzero(tokens != r)))
+                self.cost.charge(ell, calls=1 + int(np.count_nonzero(tokens != r)))
                 q += 1
         return top, y_top, y_biased

@@ -22,7 +22,13 @@ from nv.errors import NVError
 from nv.phase1.pipeline import common_set
 from nv.plots.phase1 import spectrum_panels
 from nv.phase1.sampling import MANIFEST, load_samples
-from nv.phase1.spectrum import SpectrumEstimate, gram_eigenvalues, paper_from_eigenvalues, robust_from_singular_values
+from nv.phase1.spectrum import (
+    SpectrumEstimate,
+    centred_singular_values,
+    gram_eigenvalues,
+    paper_from_eigenvalues,
+    robust_from_singular_values,
+)
 
 STORED = "stored"  # the budget of the source as it was saved
 
@@ -44,9 +50,8 @@ def spectra_from_matrix(Y, label: str) -> Spectra:
     Y = np.asarray(Y, dtype=np.float64)
     if Y.ndim != 2 or min(Y.shape) < 2:
         raise NVError(f"{label}: the common set is {Y.shape}, too small for a spectrum (need >= 2 x 2)")
-    n = min(Y.shape[0], Y.shape[1] - 1)
-    sigma = np.sqrt(gram_eigenvalues(Y - Y.mean(axis=1, keepdims=True))[:n])
-    return Spectra(gram_eigenvalues(Y), sigma, min(Y.shape) / max(Y.shape), tuple(Y.shape), label)
+    sigma, beta = centred_singular_values(Y)
+    return Spectra(gram_eigenvalues(Y), sigma, beta, tuple(Y.shape), label)
 
 
 def load_spectra(path: str | Path, key: str = "Y") -> Spectra:

@@ -137,19 +137,22 @@ def _gavish_donoho_count(sigma: np.ndarray, beta: float) -> int:
     return int(np.count_nonzero(sigma > omega * np.median(sigma)))
 
 
-def robust(Y, *, g=64, z_min=8.0, min_ratio=1.05, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
-    """Scale-free drop detector on the row-centred spectrum (the project default).
+def centred_singular_values(Y) -> tuple[np.ndarray, float]:
+    """sigma_1 >= ... >= sigma_n of the row-centred Y and beta, its aspect ratio.
 
     Row-centring Y removes the per-row log-partition offset and leaves a signal of rank <= d;
-    the centred matrix has rank <= n := min(D', |C| - 1). Its float64 Gram matrix gives
-    sigma_1 >= ... >= sigma_n, which `robust_from_singular_values` scores with beta = the
-    aspect ratio of Y.
+    the centred matrix has rank <= n := min(D', |C| - 1); its float64 Gram matrix gives the sigma_i.
     """
     Y = _check(Y)
     Yc = Y - Y.mean(axis=1, keepdims=True)
     n = min(Yc.shape[0], Yc.shape[1] - 1)
-    sigma = np.sqrt(gram_eigenvalues(Yc)[:n])
-    beta = min(Yc.shape) / max(Yc.shape)
+    return np.sqrt(gram_eigenvalues(Yc)[:n]), min(Yc.shape) / max(Yc.shape)
+
+
+def robust(Y, *, g=64, z_min=8.0, min_ratio=1.05, min_side=5, w_min=10, w_frac=0.05) -> SpectrumEstimate:
+    """Scale-free drop detector on the row-centred spectrum (the project default): the
+    `centred_singular_values` of Y scored by `robust_from_singular_values`."""
+    sigma, beta = centred_singular_values(Y)
     return robust_from_singular_values(sigma, beta, g=g, z_min=z_min, min_ratio=min_ratio, min_side=min_side,
                                        w_min=w_min, w_frac=w_frac)
 
