@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 from nv.phase1.entropy import entropy_nats, top_k_mass
