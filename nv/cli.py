@@ -1,5 +1,6 @@
-"""The ``nv`` command line: ``nv attack`` runs phase 1 on a local model (``--simulate MODEL``) or
-on a live OpenAI-compatible endpoint (``--base-url URL --model NAME``, see ``nv.live``).
+"""The ``nv`` command line: ``nv attack`` runs phase 1 on a local model (``--simulate MODEL``, behind the
+provider defences of params.yaml's ``defence`` section and ``--defence KEY=VALUE``, see ``nv.oracle.defence``)
+or on a live OpenAI-compatible endpoint (``--base-url URL --model NAME``, see ``nv.live``).
 
 Every NVError becomes one line on stderr and exit status 2; no traceback.
 """
@@ -28,20 +29,46 @@ def _writable(folder: Path) -> Path:
     return folder
 
 
+def defence_overrides(section: dict, pairs: list[str]) -> dict:
+    """params.yaml's ``defence`` section with ``KEY=VALUE`` overrides (VALUE read as YAML: 1, 0.5, bf16, null)."""
+    import yaml
+
+    section = dict(section)
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise NVError(f"--defence takes KEY=VALUE, got {pair!r}")
+        if key not in section:
+            raise NVError(f"unknown --defence key {key!r} (known: {', '.join(section)})")
+        try:
+            section[key] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise NVError(f"--defence {key}: cannot read the value {text!r}") from None
+    return section
+
+
 def attack(args: argparse.Namespace) -> int:
     if (args.simulate is None) == (args.base_url is None):
         raise NVError("give exactly one target: --simulate MODEL or --base-url URL --model NAME")
     if args.base_url is not None:
+        if args.defence:
+            raise NVError("--defence applies to --simulate only (a live endpoint's defences are its provider's)")
         return attack_live(args)
     from nv.oracle import Simulator
+    from nv.oracle.defence import Defence, DefendedOracle
     from nv.phase1.pipeline import run
 
-    params = load_params(args.params, PHASE1_SECTIONS)
+    params = load_params(args.params, PHASE1_SECTIONS + ["defence"])
+    defence = Defence(**defence_overrides(params["defence"], args.defence))
     out = _writable(Path(args.out))
     model = {**params["model"], "spec": args.simulate}
-    params["model"] = model
-    oracle = Simulator.from_params(model)
-    record = run(oracle, params, out, args.simulate, d_true=oracle.lm.arch.d, progress=not args.quiet)
+    simulator = Simulator.from_params(model)
+    oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
+    # a defended run's draws differ: the defence joins the checkpoint identity (pipeline.run keys it by params["model"])
+    params["model"] = {**model, "defence": defence.as_dict()} if defence.active else model
+    record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
+    record["defence"] = defence.as_dict()
+    (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: record[k] for k in ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}))
     return 0
 
@@ -117,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (Eq. 3)")
     phase2.add_argument("--context-length", type=_count, default=8192, metavar="P", help="the endpoint's context p_max (sweep cap)")
     phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
+    p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --simulate: switch on a provider defence (params.yaml section defence), e.g. round_decimals=1")
     p.add_argument("--params", default="params.yaml", help="params file (sections model, search, sampling, spectrum; live with --base-url)")
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -34,6 +34,11 @@ _FRACTION: Check = ((int, float), lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 _D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and v >= 1), "'phase1' or an int >= 1")
 
 
+def _opt(types, ok: Callable[[object], bool], rule: str) -> Check:
+    """A knob that is null (off) or a value of ``types`` satisfying ``ok``."""
+    return ((*types, type(None)), lambda v: v is None or ok(v), f"null or {rule}")
+
+
 class EachOf(dict):
     """Schema of a mapping whose every value (e.g. one reference model) follows the same schema,
     or one of the ``alternatives`` (chosen by its exact set of keys)."""
@@ -136,6 +141,21 @@ SCHEMA: dict[str, dict] = {
     },
     "timing_target": {"p_max": _POS_INT, "d_hat": _D_HAT},
     "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper")},
+    # nv.oracle.defence: what the provider switches on (null = off)
+    "defence": {
+        "round_decimals": _opt((int,), lambda v: v >= 0, "an int >= 0"),
+        "round_format": _opt((str,), lambda v: v in ("fp16", "bf16", "fp8_e4m3"), "one of ('fp16', 'bf16', 'fp8_e4m3')"),
+        "noise_sigma": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
+        "min_logprob": _opt((int, float), lambda v: v <= 0, "a number <= 0"),
+        "max_temperature": _opt((int, float), lambda v: v > 0, "a number > 0"),
+        "top_k": _opt((int,), lambda v: v >= 1, "an int >= 1"),
+        "top_p": _opt((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "min_p": _opt((int, float), lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        "latency_quantum_ms": _opt((int, float), lambda v: v > 0, "a number > 0"),
+        "delay_uniform_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
+        "delay_exp_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
+        "pad_to_tokens": _opt((int,), lambda v: v >= 1, "an int >= 1"),
+    },
     # a random-weight shape (CPU default), or {spec: a hub id / folder / .gguf} of a real model (GPU profile)
     "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR}),
 }

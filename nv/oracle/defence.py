@@ -1,0 +1,307 @@
+"""Defences an API provider can switch on, as an oracle wrapper the attack code never sees.
+
+``DefendedOracle(oracle, Defence(...), seed)`` serves the §2 threat-model API of any backend with
+what a provider would deploy against NightVision: coarser or noisier log-probs (against the
+common-set matrix of §4.1), truncated sampling (the tail is never drawn, so the common set shrinks),
+a temperature cap, and coarser or padded timing (against the prefill fit of §4.2, App. D). Every call
+is still charged by the wrapped backend with the §5 metric. ``sampling_price`` and
+``mean_added_latency_ms`` are what each defence costs the provider's honest users.
+
+Log-prob side, in the order applied (``y`` is the log-prob the backend reports):
+
+- ``max_temperature``: a request above the cap is served at the cap; ``y`` follows the served temperature.
+- ``min_logprob``: a draw whose ``y`` lies below the threshold comes back without a log-prob. Such a
+  draw tells the attacker nothing for Y_hat, so ``sample`` drops its entry (token, count, log-prob;
+  the calls stay charged and ``Samples.n`` falls below ``n``); ``argmax``, whose one call must return its
+  token, reports NaN.
+- ``noise_sigma``: each call's log-prob gets fresh Gaussian noise; then ``round_format`` (fp16, bf16 or
+  fp8_e4m3, round to nearest even, single rounding from float64; fp8_e4m3 saturates at +-448 like
+  torch's float8_e4m3fn) and ``round_decimals`` (k decimals) round each call's value. ``Samples``
+  holds one log-prob per distinct token: with noise it is the mean of that token's ``count`` per-call
+  values, exactly what an attacker averaging its N calls holds (y + N(0, sigma^2 / count) without
+  rounding; with rounding the per-call values are rounded before the mean, so noise dithers the
+  rounding away). The noise of prompt q is seeded by (seed, seeds[q]): the same request returns the
+  same reply, as a seeded API does.
+
+Sampling side (``top_k``, ``top_p``, ``min_p``): applied after the temperature, in vLLM's order:
+top-k, top-p on the renormalised top-k distribution (the smallest most-likely prefix of mass
+>= top_p), min-p (p_i >= min_p * p_max). Only the simulator (white-box distributions, sampled here)
+and the HTTP client (the server's own ``top_k``/``top_p``/``min_p`` request fields) can honour them.
+The log-prob reported for a draw stays the backend's untruncated value (as llama.cpp reports).
+
+Timing side: ``pad_to_tokens`` times the prompt padded to the next multiple of the bucket (a real
+call, through the backend; the padding is the provider's and is not billed), then ``delay_uniform_ms``
+(U(0, a)) and ``delay_exp_ms`` (exponential of mean b) are added to the reported latency and
+``latency_quantum_ms`` rounds it up to a multiple of q.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from nv.errors import NVError
+from nv.oracle.base import Oracle, Samples, TimedCall, check_sampling
+from nv.oracle.http import HTTPOracle
+from nv.oracle.multinomial import multinomial_counts
+from nv.oracle.simulator import Simulator, log_softmax
+from nv.params import check_section
+
+# float formats: explicit mantissa bits, smallest normal exponent, largest finite value and whether it saturates
+FORMATS = {
+    "fp16": (10, -14, 65504.0, False),
+    "bf16": (7, -126, (2 - 2.0**-7) * 2.0**127, False),
+    "fp8_e4m3": (3, -6, 448.0, True),
+}
+PAD_FILLER = " ."
+_NOISE, _ARGMAX, _TIMING = 0, 1, 2  # seed streams
+
+
+@dataclass(frozen=True)
+class Defence:
+    """The provider's knobs; None switches a knob off (the default: no defence)."""
+
+    round_decimals: int | None = None
+    round_format: str | None = None
+    noise_sigma: float | None = None
+    min_logprob: float | None = None
+    max_temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    latency_quantum_ms: float | None = None
+    delay_uniform_ms: float | None = None
+    delay_exp_ms: float | None = None
+    pad_to_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_section("defence", asdict(self))  # the one schema: params.yaml's defence section
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in asdict(self).values())
+
+    @property
+    def truncates(self) -> bool:
+        return any(v is not None for v in (self.top_k, self.top_p, self.min_p))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- pure transformations --------------------------------------------------------------------------
+
+def round_to_format(x: np.ndarray, fmt: str) -> np.ndarray:
+    """``x`` rounded to the float format ``fmt`` (round to nearest even, subnormals included), as float64."""
+    if fmt not in FORMATS:
+        raise NVError(f"round_format must be one of {tuple(FORMATS)}, got {fmt!r}")
+    mantissa, emin, largest, saturates = FORMATS[fmt]
+    x = np.asarray(x, dtype=np.float64)
+    _, e = np.frexp(x)  # |x| in [2^(e-1), 2^e)
+    quantum = np.ldexp(1.0, np.maximum(e - 1, emin) - mantissa)
+    r = np.rint(x / quantum) * quantum
+    if saturates:
+        return np.clip(r, -largest, largest)
+    return np.where(np.abs(r) > largest, np.copysign(np.inf, r), r)
+
+
+def quantise(y: np.ndarray, defence: Defence) -> np.ndarray:
+    """Each reported value rounded as the API serialises it: to ``round_format``, then ``round_decimals``."""
+    if defence.round_format is not None:
+        y = round_to_format(y, defence.round_format)
+    if defence.round_decimals is not None:
+        y = np.round(y, defence.round_decimals)
+    return y
+
+
+def reported_logprobs(y: np.ndarray, counts: np.ndarray, defence: Defence, rng: np.random.Generator) -> np.ndarray:
+    """Per distinct token, the mean over its ``counts`` calls of each call's reported log-prob
+    (``y`` + fresh N(0, sigma^2) noise, then ``quantise``); without noise every call reports ``quantise(y)``."""
+    y = np.asarray(y, dtype=np.float64)
+    if not defence.noise_sigma or y.size == 0:
+        return quantise(y, defence)
+    counts = np.asarray(counts, dtype=np.int64)
+    per_call = quantise(np.repeat(y, counts) + defence.noise_sigma * rng.standard_normal(int(counts.sum())), defence)
+    return np.add.reduceat(per_call, np.concatenate([[0], np.cumsum(counts)[:-1]])) / counts
+
+
+def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None) -> np.ndarray:
+    """Tokens that survive top-k, then top-p on the renormalised survivors, then min-p (vLLM's order)."""
+    p = np.asarray(p, dtype=np.float64)
+    order = np.argsort(-p, kind="stable")
+    ps = p[order]
+    keep = np.ones(p.size, dtype=bool)
+    if top_k is not None:
+        keep[top_k:] = False
+    if top_p is not None:
+        kept = np.where(keep, ps, 0.0) / ps[keep].sum()
+        keep &= np.cumsum(kept) - kept < top_p  # mass before the token: the crossing token is kept
+    if min_p is not None:
+        keep &= ps >= min_p * ps[0]
+    mask = np.empty_like(keep)
+    mask[order] = keep
+    return mask
+
+
+def served_log_probs(y: np.ndarray, temperature: float, defence: Defence) -> np.ndarray:
+    """log q: the next-token distribution the provider samples from for a request at ``temperature``,
+    given a T = 1 log-prob (or logit) vector ``y``: temperature cap, then truncation, renormalised."""
+    served = min(temperature, defence.max_temperature or math.inf)
+    log_q = log_softmax(np.asarray(y, dtype=np.float64) / served)
+    if not defence.truncates:
+        return log_q
+    mask = truncation_mask(np.exp(log_q), defence.top_k, defence.top_p, defence.min_p)
+    return np.where(mask, log_q - np.log(np.exp(log_q[mask]).sum()), -np.inf)
+
+
+def sampling_price(y: np.ndarray, temperature: float, defence: Defence) -> dict[str, float]:
+    """The provider's price of the sampling-side defences on one prompt: KL(q || p) and TV(q, p) of the
+    served distribution q from the undefended p = softmax(y / temperature), ``y`` a T = 1 log-prob vector.
+    Truncation alone keeps mass M: KL = -log M, TV = 1 - M."""
+    log_p = log_softmax(np.asarray(y, dtype=np.float64) / temperature)
+    log_q = served_log_probs(y, temperature, defence)
+    q = np.exp(log_q)
+    on = q > 0
+    return {"kl": float(np.sum(q[on] * (log_q[on] - log_p[on]))), "tv": float(0.5 * np.abs(q - np.exp(log_p)).sum())}
+
+
+def mean_added_latency_ms(defence: Defence, ms_per_token: float = 0.0) -> float:
+    """Mean latency the timing defences add to a call (ms): a / 2 + b for the delays, q / 2 for rounding up
+    to the quantum and (bucket - 1) / 2 padding tokens at ``ms_per_token`` (latencies and prompt lengths
+    taken as uniform modulo q and the bucket)."""
+    return ((defence.delay_uniform_ms or 0.0) / 2 + (defence.delay_exp_ms or 0.0) + (defence.latency_quantum_ms or 0.0) / 2
+            + ms_per_token * ((defence.pad_to_tokens or 1) - 1) / 2)
+
+
+def quantise_latency(seconds: float, quantum_ms: float) -> float:
+    """``seconds`` rounded up to a multiple of ``quantum_ms`` milliseconds (never below ``seconds``)."""
+    k = math.ceil(seconds * 1000.0 / quantum_ms)
+    while k * quantum_ms / 1000.0 < seconds:  # float rounding of the division
+        k += 1
+    return k * quantum_ms / 1000.0
+
+
+def pad_prompt(prompt: str, target: int, count: Callable[[str], int], filler: str = PAD_FILLER) -> str:
+    """``prompt`` extended with ``filler`` until ``count`` (its tokens) is exactly ``target``."""
+    k = target - count(prompt)
+    for _ in range(16):
+        padded = prompt + filler * k
+        missing = target - count(padded)
+        if missing == 0:
+            return padded
+        k = max(k + missing, 0)
+    raise NVError(f"cannot pad the prompt to exactly {target} tokens with {filler!r}")
+
+
+def http_truncation_fields(defence: Defence) -> dict:
+    """The request fields (llama.cpp, vLLM) that make the server truncate its own sampling."""
+    return {k: v for k, v in (("top_k", defence.top_k), ("top_p", defence.top_p), ("min_p", defence.min_p)) if v is not None}
+
+
+def _seed_sequence(seed: int, stream: int, request_seed=()) -> np.random.SeedSequence:
+    return np.random.SeedSequence([seed, stream, *np.atleast_1d(np.asarray(request_seed, dtype=np.int64)).tolist()])
+
+
+# -- the wrapper -------------------------------------------------------------------------------------
+
+class DefendedOracle(Oracle):
+    """``oracle`` behind ``defence``: the same interface, the same §5 cost counter (``cost`` is the
+    wrapped backend's), every random step seeded from ``seed``.
+
+    Truncation is sampled here from the simulator's white-box distributions, or sent to an HTTP endpoint
+    as its own request fields (set on the wrapped client, so every request carries them); any other
+    backend, or padding without the simulator's tokenizer, is refused.
+    """
+
+    def __init__(self, oracle: Oracle, defence: Defence, seed: int) -> None:
+        # no Oracle.__init__: the cost counter is the wrapped backend's
+        if defence.truncates and not isinstance(oracle, (Simulator, HTTPOracle)):
+            raise NVError(f"top_k/top_p/min_p need the true distribution: {type(oracle).__name__} cannot honour them "
+                          "(only the simulator and an HTTP endpoint can)")
+        if defence.pad_to_tokens is not None and not isinstance(oracle, Simulator):
+            raise NVError(f"pad_to_tokens needs the target's tokenizer: {type(oracle).__name__} cannot honour it "
+                          "(only the simulator can)")
+        if defence.truncates and isinstance(oracle, HTTPOracle):
+            oracle.extra_body = {**oracle.extra_body, **http_truncation_fields(defence)}
+        self.inner = oracle
+        self.defence = defence
+        self.seed = seed
+        self._argmax_rng = np.random.default_rng(_seed_sequence(seed, _ARGMAX))
+        self._timing_rng = np.random.default_rng(_seed_sequence(seed, _TIMING))
+
+    @property
+    def cost(self):
+        return self.inner.cost
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def served_temperature(self, temperature: float) -> float:
+        return min(temperature, self.defence.max_temperature or math.inf)
+
+    def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
+        check_sampling(n, temperature)
+        if len(seeds) != len(prompts):
+            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        served = self.served_temperature(temperature)
+        if self.defence.truncates and isinstance(self.inner, Simulator):
+            raw = self._sample_truncated(prompts, n, served, seeds)
+        else:
+            raw = self.inner.sample(prompts, n, served, seeds)
+        return [self._report(s, np.random.default_rng(_seed_sequence(self.seed, _NOISE, seed)))
+                for s, seed in zip(raw, seeds)]
+
+    def argmax(self, prompts: Sequence[str]) -> list[Samples]:
+        return [self._report(s, self._argmax_rng, withheld="nan") for s in self.inner.argmax(prompts)]
+
+    def time_request(self, prompt: str) -> TimedCall:
+        d = self.defence
+        if d.pad_to_tokens is None:
+            call = self.inner.time_request(prompt)
+        else:
+            own = self.inner.format.prompt_tokens(prompt)
+            target = -(-own // d.pad_to_tokens) * d.pad_to_tokens
+            padded = self.inner.time_request(pad_prompt(prompt, target, self.inner.format.prompt_tokens))
+            self.cost.prompt_tokens -= padded.prompt_tokens - own  # the padding is the provider's, not billed
+            call = TimedCall(padded.seconds, own)
+        seconds = call.seconds
+        if d.delay_uniform_ms is not None:
+            seconds += self._timing_rng.uniform(0.0, d.delay_uniform_ms) / 1000.0
+        if d.delay_exp_ms is not None:
+            seconds += self._timing_rng.exponential(d.delay_exp_ms) / 1000.0
+        if d.latency_quantum_ms is not None:
+            seconds = quantise_latency(seconds, d.latency_quantum_ms)
+        return TimedCall(seconds, call.prompt_tokens)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _report(self, s: Samples, rng: np.random.Generator, withheld: str = "drop") -> Samples:
+        """The log-prob side of one prompt's reply: ``min_logprob`` (drop or NaN), noise, rounding."""
+        y = reported_logprobs(s.logprobs, s.counts, self.defence, rng)
+        if self.defence.min_logprob is None:
+            return Samples(s.token_ids, y, s.counts, s.prompt_tokens)
+        below = s.logprobs < self.defence.min_logprob
+        if withheld == "nan":
+            return Samples(s.token_ids, np.where(below, np.nan, y), s.counts, s.prompt_tokens)
+        return Samples(s.token_ids[~below], y[~below], s.counts[~below], s.prompt_tokens)
+
+    def _sample_truncated(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
+        """The simulator's ``sample`` with draws from the truncated, renormalised distribution (same seeds,
+        same charge: prompt tokens x n calls); the log-prob reported is the simulator's untruncated one."""
+        sim: Simulator = self.inner
+        out = []
+        for z, prompt, seed in zip(sim.logits(prompts), prompts, seeds):
+            y_tau = log_softmax(z / temperature)
+            q = np.exp(served_log_probs(z, temperature, self.defence))
+            counts = multinomial_counts(np.random.default_rng(seed), n, q)
+            idx = np.flatnonzero(counts)
+            y = y_tau if sim.logprob_mode == "processed" else log_softmax(z)
+            ell = sim.format.prompt_tokens(prompt)
+            out.append(Samples(idx, y[idx], counts[idx], ell))
+            sim.cost.charge(ell, calls=n)
+        return out
