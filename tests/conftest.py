@@ -33,17 +33,19 @@ TINY = {
     "model": {"batch_size": 48},
     "sample_complexity": {"D_values": [20, 40], "d_values": [8, 16], "runs": 2, "grid_points": 4},
     "carlini_baseline": {"n_prompts": 80, "precisions": ["float32"]},
+    # r = 0.1 puts the references' sweeps (54-402 tokens) above the ~50-token chat template, so their fits see
+    # real growth; p_max = 700 caps the target's sweep at 500 tokens (187-500) to keep the stages short
     "timing": {"n_lengths": 4, "discard": 1, "platforms": {
-        "inprocess": {"r": 0.02, "trials": 2, "threads": 2, "references": "all"},
-        "llamacpp": {"r": 0.02, "trials": 2, "threads": 2, "references": "all"},
+        "inprocess": {"r": 0.1, "trials": 2, "threads": 2, "references": "all"},
+        "llamacpp": {"r": 0.1, "trials": 2, "threads": 2, "references": "all"},
     }},
-    # tiny phase 1 does not saturate, so the timing sweep takes the true d instead of phase 1's d_hat
-    "timing_target": {"d_hat": 576},
+    # phase 2 takes phase 1's d_hat, as the shipped params do (tiny phase 1 does not saturate: tests/test_pipeline.py)
+    "timing_target": {"d_hat": "phase1", "p_max": 700},
 }
 TINY_FAMILY = {
-    "t-128x2": {"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256},
-    "t-128x4": {"d": 128, "L": 4, "n_kv_heads": 1, "d_ffn": 256},
-    "t-192x3": {"d": 192, "L": 3, "n_kv_heads": 1, "d_ffn": 384},
+    "t-256x2": {"d": 256, "L": 2, "n_kv_heads": 1, "d_ffn": 512},
+    "t-256x6": {"d": 256, "L": 6, "n_kv_heads": 1, "d_ffn": 512},
+    "t-320x4": {"d": 320, "L": 4, "n_kv_heads": 1, "d_ffn": 640},
 }
 
 

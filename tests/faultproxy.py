@@ -4,8 +4,9 @@ Runs an asyncio server on 127.0.0.1 in a background thread and forwards every re
 The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numbers listed in
 ``faults`` it injects one fault instead of (or on top of) forwarding:
 
-- ``"429"``: answers 429 with ``Retry-After: 0``, not forwarded;
-- ``"500"``: answers 500, not forwarded;
+- ``"429"``: answers 429 with ``Retry-After: <retry_after>`` (default "0"), not forwarded;
+- ``"500"``: answers 500 (``Retry-After: 0``), not forwarded;
+- ``"400"``: answers 400 Bad Request with an error message, not forwarded (a client error: never retried);
 - ``"timeout"``: never answers; the connection is dropped after ``hold`` seconds (past the client's timeout);
 - ``"truncate"``: forwarded (so paid), then answered 200 with the first half of the JSON body;
 - ``"reset"``: the connection is dropped with a TCP reset, not forwarded.
@@ -15,7 +16,8 @@ every forwarded reply (a server without log-prob support); ``mode="n"`` gives th
 ``n`` it ignores: a POST asking for n > 1 choices becomes n upstream requests (seeds seed * 1000 + i)
 merged into one reply of n choices, prompt tokens counted once (as vLLM bills one prefill). ``posts`` counts POSTs received and
 ``forwarded`` lists, in order, the JSON bodies of the POSTs the upstream server answered with 200 (paid);
-``in_flight`` counts requests being answered.
+``post_log`` lists (arrival time.monotonic(), path, fault or None) of every POST received; ``in_flight`` counts
+requests being answered.
 """
 
 from __future__ import annotations
@@ -29,19 +31,23 @@ import time
 
 import httpx
 
-FAULTS = ("429", "500", "timeout", "truncate", "reset")
-REASONS = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
+FAULTS = ("400", "429", "500", "timeout", "truncate", "reset")
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, faults: dict[int, str] | None = None, mode: str | None = None, hold: float = 6.0):
-        """``upstream``: the server's base URL ("http://127.0.0.1:PORT/v1"); paths are forwarded as they come."""
+    def __init__(self, upstream: str, faults: dict[int, str] | None = None, mode: str | None = None, hold: float = 6.0,
+                 retry_after: str = "0"):
+        """``upstream``: the server's base URL ("http://127.0.0.1:PORT/v1"); paths are forwarded as they come;
+        ``retry_after``: the Retry-After header value of an injected 429 (seconds)."""
         self.upstream = upstream.split("/v1")[0]
         self.faults = dict(faults or {})
         assert set(self.faults.values()) <= set(FAULTS), self.faults
         self.mode = mode
         self.hold = hold
+        self.retry_after = retry_after
         self.posts = 0
+        self.post_log: list[tuple[float, str, str | None]] = []
         self.forwarded: list[dict] = []
         self.in_flight = 0
         self._loop = asyncio.new_event_loop()
@@ -109,8 +115,12 @@ class FaultProxy:
         if method == "POST":
             fault = self.faults.get(self.posts)
             self.posts += 1
+            self.post_log.append((time.monotonic(), path, fault))
         if fault in ("429", "500"):
-            return await self._send(writer, int(fault), b'{"error": {"message": "injected"}}', extra="Retry-After: 0\r\n")
+            wait = self.retry_after if fault == "429" else "0"
+            return await self._send(writer, int(fault), b'{"error": {"message": "injected"}}', extra=f"Retry-After: {wait}\r\n")
+        if fault == "400":
+            return await self._send(writer, 400, b'{"error": {"message": "injected: bad request"}}')
         if fault == "timeout":
             await asyncio.sleep(self.hold)
             writer.close()

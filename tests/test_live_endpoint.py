@@ -21,9 +21,10 @@ from nv.errors import NVError
 from nv.oracle.journal import Journal, request_key
 from nv.live import binding
 from nv.models.llama_server import LlamaServer, free_port
-from nv.oracle.http import HTTPOracle
+from nv.oracle.http import Budget, HTTPOracle
 
 NV = [sys.executable, "-m", "nv.cli", "attack"]
+ROOT = Path(__file__).resolve().parent.parent
 TINY_LIVE = {"search": {"D": 4, "rounds": 1, "batch_size": 4}, "sampling": {"N": 8, "chunk": 2},
              "live": {"concurrency": 2, "timeout": 30, "backoff": 0.05, "retries": 6}}
 REQUESTS = 2 + 4 + 4 * 8  # probe + search + D x N, one sample per request (llama.cpp ignores n)
@@ -155,6 +156,104 @@ def test_time_request_is_journaled_and_replayed(server, tmp_path):
         assert proxy.posts == 2
 
 
+def test_completions_path_sends_the_raw_prompt(server, lm32):
+    """`live.chat: false`: plain completions on /v1/completions with the raw prompt (no chat template, no system
+    prompt), for real on the llama.cpp server. The server's prompt-token counts are the tokenizer's for the bare
+    text (not the ~30-token template), and its T = 1 log-probs agree with the simulator's on the untemplated prompt
+    (tolerances of the chat test above: llama.cpp quantises activations)."""
+    from nv.oracle import Simulator
+
+    live = yaml.safe_load((ROOT / "params.yaml").read_text())["live"] | {"chat": False, "top_logprobs": 10}
+    prompts = ["The capital of France is", "ЖΩ中ب⣿", "1, 2, 3, 4,"]
+    with FaultProxy(server.base_url) as proxy, HTTPOracle.from_params(proxy.url, server.model_name, live, None, Budget()) as oracle:
+        assert oracle.chat is False
+        samples = oracle.sample(prompts, 4, 2.0, seeds=[(0, q) for q in range(len(prompts))])
+        greedy = oracle.argmax(prompts)
+        timed = oracle.time_request(prompts[0])
+    assert {path for _, path, _ in proxy.post_log} == {"/v1/completions"} and len(proxy.post_log) == 4 * 3 + 3 + 1
+    for body in proxy.forwarded:
+        assert "messages" not in body and body["prompt"] in prompts and body["max_tokens"] == 1
+    assert [b["logprobs"] for b in proxy.forwarded[:12]] == [10] * 12 and "logprobs" not in proxy.forwarded[-1]
+    sim = Simulator(lm32, template=False, logprobs="raw", logits="float32")
+    raw_counts = [len(lm32.tokenizer(p)["input_ids"]) for p in prompts]
+    assert [s.prompt_tokens for s in samples] == [g.prompt_tokens for g in greedy] == raw_counts
+    assert max(raw_counts) < 15 < Simulator(lm32).format.prompt_tokens(prompts[0])  # the template is not applied
+    assert timed.prompt_tokens == raw_counts[0] and timed.seconds > 0
+    text_of = {col: key[2:] for key, col in oracle.journal.columns.items()}
+    id_of = _token_ids_by_text(lm32.tokenizer)
+    y = sim.log_probs(prompts, 1.0)
+    served, simulated = [], []
+    for q, s in enumerate(samples):
+        for col, lp in zip(s.token_ids, s.logprobs):
+            if text_of[col] in id_of:
+                served.append(lp)
+                simulated.append(y[q, id_of[text_of[col]]])
+    served, simulated = np.array(served), np.array(simulated)
+    diff = np.abs(served - simulated)
+    assert diff.size >= 20 and np.median(diff) < 0.15 and diff.max() < 1.0
+    assert all(abs(g.logprobs[0] - y[q].max()) < 0.3 for q, g in enumerate(greedy))
+
+
+def test_client_errors_are_not_retried_and_server_errors_are(server):
+    """A 4xx other than 429 is the client's fault: one line, no retry, nothing paid; a 500 is retried."""
+    from nv.oracle.http import Limits
+
+    limits = Limits(retries=3, backoff=0.01)
+    with FaultProxy(server.base_url, {0: "400"}) as proxy, HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
+        with pytest.raises(NVError, match=r"chat/completions refused the request: HTTP 400 injected: bad request$"):
+            oracle.argmax(["Hello"])
+        assert proxy.posts == 1 and oracle.stats["retries"] == 0 and not proxy.forwarded
+        assert oracle.journal.requests == 0 and oracle.cost.calls == 0
+    with FaultProxy(server.base_url, {0: "500"}) as proxy, HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
+        (reply,) = oracle.argmax(["Hello"])
+        assert proxy.posts == 2 and oracle.stats["retries"] == 1 and len(proxy.forwarded) == 1 and reply.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("retry_after, backoff_max, low, high", [
+    ("0", 60.0, 0.0, 0.5),      # no wait asked: only the 0.01 s backoff (+ jitter)
+    ("1.5", 60.0, 1.5, 3.0),    # Retry-After: 1.5 s honoured although the backoff is 0.01 s
+    ("100", 0.6, 0.6, 2.0),     # ... but never beyond live.backoff_max
+])
+def test_retry_after_is_honoured(server, retry_after, backoff_max, low, high):
+    from nv.oracle.http import Limits
+
+    limits = Limits(retries=2, backoff=0.01, backoff_max=backoff_max)
+    with FaultProxy(server.base_url, {0: "429"}, retry_after=retry_after) as proxy, \
+            HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
+        oracle.argmax(["Hello"])
+    (first, _, fault), (second, _, again) = proxy.post_log
+    assert (fault, again, oracle.stats["retries"]) == ("429", None, 1)
+    assert low <= second - first < high, second - first
+
+
+def test_call_and_money_caps_stop_the_run_before_they_are_passed(server):
+    """At run time (no plan involved: the oracle itself), each request's cost is reserved before it is sent, so with
+    8 requests in flight at once the calls cap lets exactly 5 through and the money cap stops below its amount;
+    every paid reply is journaled."""
+    from nv.oracle.http import BudgetExhausted, Limits
+
+    limits = Limits(concurrency=8, retries=0)
+    with FaultProxy(server.base_url) as proxy, \
+            HTTPOracle(proxy.url, server.model_name, limits=limits, budget=Budget(calls=5)) as oracle:
+        with pytest.raises(BudgetExhausted, match=r"^budget reached: the next request would pass the calls cap of 5 "):
+            oracle.sample(["ЖΩ中ب⣿"], 12, 2.0, seeds=[(0, 0)])
+        proxy.wait_idle()
+        assert proxy.posts == len(proxy.forwarded) == oracle.journal.requests == oracle.provider_cost.calls == 5
+    price = 1000.0  # per million billed tokens: a ~40-token request costs ~0.04
+    for concurrency in (1, 8):
+        with FaultProxy(server.base_url) as proxy, HTTPOracle(proxy.url, server.model_name, limits=Limits(concurrency, retries=0),
+                                                              budget=Budget(money=0.25, price_per_mtok=price)) as oracle:
+            with pytest.raises(BudgetExhausted, match=r"^budget reached: the next request would pass the money cap of 0.25 "):
+                oracle.sample(["ЖΩ中ب⣿"], 12, 2.0, seeds=[(0, 0)])
+            proxy.wait_idle()
+            spent = oracle.provider_cost.tokens * price / 1e6
+            per_request = spent / oracle.provider_cost.calls
+            assert 0 < proxy.posts == len(proxy.forwarded) == oracle.journal.requests and spent <= 0.25
+            if concurrency == 1:  # one request at a time: it stops only when the next one would not fit
+                assert 0.25 - per_request < spent, (spent, per_request)
+            # (8 at a time, the first requests reserve twice the planning estimate each: it may stop well short)
+
+
 # -- nv attack --base-url ---------------------------------------------------------------------
 
 
@@ -163,7 +262,7 @@ def test_attack_end_to_end_reports_not_saturated_at_a_tiny_budget(baseline, serv
     assert report["model"] == server.model_name and report["D"] == 4 and report["N"] == 8
     assert not report["saturated"] and report["reason"] == "not saturated"
     assert report["d_hat"] is None and report["d_hat_raw"] is None and report["lower_bound"] >= 0
-    assert report["calls"] == 4 * 8 + 4 == report["cost"]["paper"]["calls"]
+    assert report["calls"] == 4 * 8 + 4  # D x N samples + the search's D T = 0 calls (probes are not §5 calls)
     assert report["logprob_mode"]["mode"] == "raw" and report["logprob_mode"]["compared"] >= 1
     assert report["n_honoured"] is False and report["n_per_request"] == 1
     provider = report["cost"]["provider"]
@@ -174,6 +273,9 @@ def test_attack_end_to_end_reports_not_saturated_at_a_tiny_budget(baseline, serv
         entry = json.loads(line)
         records.update({entry["r"]: entry["d"]} if "r" in entry else {})
     probe_prompt_tokens = sum(records[k]["p"] for k in keys[:2])  # the probe goes first, one request at a time
+    # §5 tokens from the server's own usage of every paid non-probe request: (prompt + 1 output token) each
+    paper = {"calls": REQUESTS - 2, "tokens": sum(records[k]["p"] + 1 for k in keys[2:])}
+    assert {"calls": report["calls"], "tokens": report["tokens"]} == report["cost"]["paper"] == paper
     # one sample per request: prompt tokens once per request (provider) = once per sample (§5), probe aside
     assert provider["prompt_tokens"] == report["tokens"] - report["calls"] + probe_prompt_tokens
     assert len(set(keys)) == len(keys)  # no request sent twice
@@ -367,34 +469,95 @@ def test_n_samples_per_request_where_honoured(server):
     assert sum(r["p"] for r in records) == 3 * ell  # the provider bills the prompt once per request
 
 
-CALIBRATION = {"platform": "inprocess", "beta": 1e-9, "alpha": 0.0, "gamma_ref": 2e-8, "r": 0.01, "trials": 2, "warmups": 2,
-               "trim": 0.0, "n_lengths": 4, "discard": 1, "kv_ratio": 0.25, "ffn_ratio": 3.5}
+# Phase 2 on the endpoint: a real calibration, made as the timing_fit stage makes one, on the endpoint's own platform
+# (a llama.cpp server with log-probs, 2 threads): two random-weight references with SmolLM2's layer shape (d = 576,
+# 9 / 3 heads, d_ffn = 1536) and known depths 10 and 40, timed with the App. D protocol below. Same platform, so
+# k = 1; the truth to meet is the served model's L = 30 and P = 134,515,008.
+REF_DEPTHS = (10, 40)
+PROTOCOL = {"r": 0.02, "trials": 5, "warmups": 2, "trim": 0.2, "n_lengths": 5, "discard": 1, "kv_ratio": 0.25, "ffn_ratio": 3.5}
 
 
-def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path):
-    """`--timing-calibration`: after phase 1 the endpoint is timed on the sweep of d_hat and L_hat (§4.2
-    basic estimator, Eq. 9) and gamma_g / (k beta) (Eq. 10) are reported from those timings; without
-    d_hat it says why not."""
-    from nv.phase2.fit import attention_regime, depth_basic, fit_gamma, total_params
+@pytest.fixture(scope="module")
+def calibration_file(lm32, tmp_path_factory):
+    from nv.models.loading import embedded_gguf
+    from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
+    from nv.phase2.evaluation import calibration
+    from nv.phase2.fit import sweep_lengths
+    from nv.phase2.protocol import collect_timings, summarize
 
-    cal_path = tmp_path / "calibration.json"
-    cal_path.write_text(json.dumps(CALIBRATION))
-    params = write_params(root, tmp_path)
+    tmp = tmp_path_factory.mktemp("calibration")
+    records = []
+    for L in REF_DEPTHS:
+        shape = shape_from_entry({"d": 576, "L": L, "n_kv_heads": 3, "d_ffn": 1536}, lm32.arch.vocab_size, 1024)
+        gguf = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, f"ref-{L}"), embedded_gguf(), tmp / f"ref-{L}.gguf")
+        lengths = sweep_lengths(576, 192, 1536, 1024, PROTOCOL["r"], PROTOCOL["n_lengths"])  # its true shape (App. D)
+        with LlamaServer(gguf, n_ctx=1024, n_threads=2) as s, HTTPOracle(s.base_url, s.model_name) as oracle:
+            rows = collect_timings(oracle, lengths, PROTOCOL["trials"], PROTOCOL["warmups"], 0, tmp / f"t{L}.jsonl",
+                                   {"model": f"ref-{L}"}, progress=False)
+        stats = summarize(rows, PROTOCOL["trim"])
+        records.append({"model": f"ref-{L}", "role": "reference", "platform": "llamacpp", "L": L, "d": 576, "d_used": 576,
+                        "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist()})
+    timing = {"platforms": {"llamacpp": {"r": PROTOCOL["r"], "trials": PROTOCOL["trials"], "threads": 2, "references": "all"}},
+              **{k: v for k, v in PROTOCOL.items() if k not in ("r", "trials")}}
+    cal = calibration({"llamacpp": records}, timing)
+    assert cal["beta"] > 0 and cal["platform"] == "llamacpp"
+    path = tmp / "calibration.json"
+    path.write_text(json.dumps(cal))
+    return path
+
+
+def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calibration_file, lm32):
+    """`--timing-calibration`: after phase 1 the endpoint is timed on the sweep of d_hat and its depth and size are
+    reported. Checked against the served model's truth (L = 30, P = 134.5 M) and properties that must hold, never
+    against a recomputation with the functions the attack itself calls.
+
+    Measured here (2-core machine, other jobs running): basic L_hat 19.9-29.4 in most runs (low: the server computes
+    the logits of every prompt position, a depth-independent cost Eq. 2's constant alpha cannot absorb), up to 48
+    when the load changed between calibration and attack; Eq. 10 (free intercept, the noisier one) 15-34.
+    Tolerances: basic L_hat within a factor 2 of 30, Eq. 10 within a factor 2.5; both exclude an uncalibrated or
+    wrong-platform answer (k = 30 between in-process and llama.cpp here) and a d_hat mix-up (L_hat ~ 1/d_hat)."""
     out = tmp_path / "out"
-    args = attack_args(server.base_url, server.model_name, params, out, "--timing-calibration", str(cal_path))
-    proc = run_attack(args + ["--timing-d-hat", "576", "--timing-k", "2", "--vocab-size", "49152"])
+    params = write_params(root, tmp_path)
+    common = attack_args(server.base_url, server.model_name, params, out, "--timing-calibration", str(calibration_file),
+                         "--timing-d-hat", "576", "--vocab-size", "49152", "--context-length", "512")
+    proc = run_attack(common)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    t = json.loads((out / "report.json").read_text())["timing"]
-    assert t["d_hat"] == 576 and t["k"] == 2 and t["trials"] == 2 and len(t["lengths"]) >= 4
-    ell, T, sigma = attention_regime(np.array(t["lengths"]), np.array(t["T"]), np.array(t["sigma"]), 1)
-    gamma = fit_gamma(np.full(len(ell), 576.0), ell, T, sigma).slope
-    assert t["gamma_g"] == pytest.approx(gamma) and t["L_hat_eq10"] == pytest.approx(gamma / (2 * 1e-9))
-    assert t["L_hat"] == pytest.approx(depth_basic(2 * 1e-9, 0.0, 576, ell, T, sigma))
-    if t["L_hat"] > 0:
-        assert t["P_hat"] == pytest.approx(total_params(576, t["L_hat"], 49152))
-    no_d = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out2", "--timing-calibration", str(cal_path)))
+    report = json.loads((out / "report.json").read_text())
+    t = report["timing"]
+    assert (t["d_hat"], t["k"], t["trials"], t["calibration_platform"]) == (576, 1.0, 5, "llamacpp")
+    # the timed lengths are the server's own prompt-token counts, rising along the App. D sweep of d_hat = 576 with
+    # the default ratios: ell* = floor((576 + 144 + 1.5 * 2016) * 0.02) = 74, five points on [37, 3 ell* = 222] + ell*
+    ell, T = np.array(t["lengths"]), np.array(t["T"])
+    assert np.all(np.diff(ell) > 0) and abs(ell[-1] - 222) <= 4 and abs(ell[1] - 74) <= 4 and len(ell) == 6
+    assert T[-1] > 2 * T[0] > 0  # prefill of ~222 tokens takes far longer than of ~52 (measured 5-10x)
+    L_true, P_true = lm32.arch.L, lm32.arch.params
+    print(f"live phase 2: L_hat {t['L_hat']:.1f}, Eq. 10 {t['L_hat_eq10']:.1f}, P_hat {t['P_hat'] / 1e6:.1f} M, T {np.round(T, 3)}")
+    assert (L_true, P_true) == (30, 134_515_008)
+    assert L_true / 2 < t["L_hat"] < 2 * L_true, t
+    assert L_true / 2.5 < t["L_hat_eq10"] < 2.5 * L_true, t
+    # P_hat: Eq. 3 with the paper's default ratios (1/4, 3.5, untied), written out here from the paper; SmolLM2 ties
+    # its embeddings and has d_ffn/d = 2.67, so even at the true L these ratios count 186.1 M (38 % too many)
+    by_hand = 2 * 49152 * 576 + t["L_hat"] * (2 + 2 * 0.25 + 3 * 3.5) * 576**2 + (2 * t["L_hat"] + 1) * 576
+    assert t["P_hat"] == pytest.approx(by_hand, rel=1e-9) and t["vocab_size"] == 49152
+    assert 0.85 * P_true < t["P_hat"] < 2.5 * P_true  # what L_hat's band allows: 121 M at L = 15, 315 M at 60
+    # every timed call was paid and journaled once: a rerun replays them all (nothing sent) and, with the transfer
+    # factor k = 2, reports exactly half the depth from the same timings (Eq. 9 and Eq. 10 divide by k beta)
+    replay = run_attack(common + ["--timing-k", "2"])
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    again = json.loads((out / "report.json").read_text())
+    assert again["http"]["sent"] == 0 and again["timing"]["T"] == t["T"]
+    assert again["timing"]["L_hat"] == pytest.approx(t["L_hat"] / 2, rel=1e-12)
+    assert again["timing"]["L_hat_eq10"] == pytest.approx(t["L_hat_eq10"] / 2, rel=1e-12)
+    timed = 2 + 5 + 6 * 5  # warm-ups, the ell = 1 baseline's 5 trials, 6 lengths x 5 trials
+    assert again["cost"]["paper"]["calls"] == report["cost"]["paper"]["calls"] == 4 * 8 + 4 + timed
+    # without a d_hat (tiny phase 1: not saturated) phase 2 says why instead of timing anything
+    no_d = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out2", "--timing-calibration",
+                                  str(calibration_file)))
     assert no_d.returncode == 0, no_d.stderr[-3000:]
-    assert "not saturated" in json.loads((tmp_path / "out2" / "report.json").read_text())["timing"]["note"]
-    cal_path.write_text("{}")
-    bad = run_attack(args)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "lacks" in bad.stderr
+    no_d_report = json.loads((tmp_path / "out2" / "report.json").read_text())
+    assert no_d_report["timing"] == {"note": "no d_hat from phase 1 (spectrum not saturated): phase 2 needs one"}
+    assert no_d_report["saturated"] is False
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    proc = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out3", "--timing-calibration", str(bad)))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "lacks" in proc.stderr

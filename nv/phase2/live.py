@@ -47,6 +47,9 @@ def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: 
     if d_hat is None:
         return {"timing": {"note": "no d_hat from phase 1 (spectrum not saturated): phase 2 needs one"}}
     lengths = sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"])
+    # resume through the journal, not the checkpoint: a rerun then asks every timed call again (replayed, unpaid),
+    # so its §5 cost counts them as an uninterrupted run's does (a checkpoint would skip them uncounted)
+    Path(checkpoint).unlink(missing_ok=True)
     rows = collect_timings(oracle, lengths, cal["trials"], cal["warmups"], seed, checkpoint,
                            {"calibration": cal["platform"], "d_hat": d_hat}, progress)
     stats = summarize(rows, cal["trim"])

@@ -1,0 +1,210 @@
+"""Phase 2 evaluation (nv.phase2.evaluation: Eq. 10 path, P_hat of Eq. 3, the calibration file the live attack
+reads) and the overall results (nv.overall), on timing records built from known truths.
+
+Every record here is what ``nv.phase2.platforms.time_model`` writes (raw trials per length, summarized by the
+real ``nv.phase2.protocol.summarize``), with latencies from Eq. 2 for a chosen beta, alpha, L, d (the prefill
+term times the platform factor k on the second platform, Eq. 9), so the right answers are known in closed form.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from nv.errors import NVError
+from nv.overall import combine, results_table, timing_budgets, to_markdown, with_trials
+from nv.phase2.evaluation import calibration, evaluate, held_out, param_estimates
+from nv.phase2.live import load_calibration
+from nv.phase2.protocol import BASELINE, LengthTimings, summarize
+
+BETA, ALPHA, BASE = 2e-12, 0.01, 0.05  # s per unit L ell^2 d, s, the ell = 1 baseline latency (s)
+TIMING = {"platforms": {"inprocess": {"r": 0.1, "trials": 4, "threads": 2, "references": "all"},
+                        "llamacpp": {"r": 0.02, "trials": 4, "threads": 2, "references": "all"}},
+          "warmups": 3, "trim": 0.0, "n_lengths": 10, "discard": 2, "kv_ratio": 0.25, "ffn_ratio": 3.5}
+# SmolLM2-135M: d = 576, L = 30, 9 heads / 3 KV heads, d_ffn = 1536, tied embeddings, |V| = 49,152
+SMOL = {"d": 576, "L": 30, "n_heads": 9, "n_kv_heads": 3, "d_ffn": 1536, "tied": True, "vocab_size": 49152, "P": 134_515_008}
+
+
+def eq3_by_hand(d, L, V, kv, ffn, tied):
+    """Eq. 3 written out from the paper: P = (1 or 2) V d + L (2 + 2 kv + 3 ffn) d^2 + (2L + 1) d."""
+    return (1 if tied else 2) * V * d + L * (2 + 2 * kv + 3 * ffn) * d * d + (2 * L + 1) * d
+
+
+def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4, facts=None):
+    """A timing record with K trials per length: Eq. 9's latency k beta L ell^2 d + alpha (the platform factor k
+    scales the prefill, not the fixed overhead) plus the baseline, each trial off by +- jitter seconds
+    (alternating), so the means are exact and every sigma_T is the same (the fits' weights are equal)."""
+    ell = np.round(np.linspace(0.5, 1.5, 10) * 5 * d).astype(int)
+    sign = np.where(np.arange(trials) % 2, -1.0, 1.0)
+    rows = [LengthTimings(BASELINE, [1] * trials, list(BASE + jitter * sign))]
+    for e in ell:
+        T = k * BETA * L * e**2 * d + ALPHA
+        rows.append(LengthTimings(int(e), [int(e)] * trials, list(T + BASE + jitter * sign)))
+    stats = summarize(rows, 0.0)
+    facts = facts or {"n_heads": d // 64, "n_kv_heads": max(1, d // 256), "d_ffn": 3 * d, "tied": False, "vocab_size": 49152}
+    P = eq3_by_hand(d, L, facts["vocab_size"], facts["n_kv_heads"] / facts["n_heads"], facts["d_ffn"] / d, facts["tied"])
+    return {"model": name, "role": role, "platform": platform, "L": L, "d": d, "d_used": d_used or d, "P": facts.get("P", P),
+            **{k_: facts[k_] for k_ in ("vocab_size", "n_heads", "n_kv_heads", "d_ffn", "tied")},
+            "rows": [r.__dict__ for r in rows], "ell": stats["ell"].tolist(), "T": stats["T"].tolist(),
+            "sigma": stats["sigma"].tolist(), "trials": trials, "tokens": int(stats["tokens"])}
+
+
+FAMILY = [("r12", 12, 384), ("r24", 24, 384), ("r16", 16, 512), ("r32", 32, 512), ("r20", 20, 640)]
+
+
+def records(k=3.0, d_used=576, target_L=30):
+    out = {}
+    for platform, factor in (("inprocess", 1.0), ("llamacpp", k)):
+        recs = [record(n, "reference", L, d, platform, factor) for n, L, d in FAMILY]
+        recs.append(record("smollm2", "target", target_L, 576, platform, factor, d_used=d_used, facts=SMOL))
+        out[platform] = recs
+    return out
+
+
+# -- Eq. 10, Eq. 3 and the held-out evaluation --------------------------------------------------------
+
+
+def test_eq10_and_basic_depth_are_exact_on_eq2_timings_on_both_platforms():
+    """Noise-free Eq. 2 / Eq. 9 timings (prefill 3x slower on the second platform): leave-one-out recovers every
+    model's depth exactly with both estimators, k = 3 exactly, and with the true ratios P_hat is the true P."""
+    table = evaluate(records(k=3.0, d_used=576), TIMING)
+    assert len(table) == 2 * (len(FAMILY) + 2)  # every model on both platforms, the target also with its true d
+    for column in ("L_hat", "L_hat_eq10"):
+        np.testing.assert_allclose(table[column], table.L_true, rtol=1e-4)
+    np.testing.assert_allclose(table.k, np.where(table.platform == "inprocess", 1.0, 3.0), rtol=1e-6)
+    np.testing.assert_allclose(table.beta, BETA, rtol=1e-6)
+    np.testing.assert_allclose(table.alpha, ALPHA, rtol=1e-4)
+    assert (table.note == "").all() and table.note_eq10.isna().all()
+    assert set(table.calibration) == {"same platform", "inprocess -> llamacpp"}
+    target = table[(table.role == "target") & (table.d_source == "d_hat")]
+    np.testing.assert_allclose(target.P_hat_registry_raw, SMOL["P"], rtol=1e-4)  # true ratios and tying
+    np.testing.assert_allclose(target.P_hat_registry_raw_eq10, SMOL["P"], rtol=1e-4)
+    np.testing.assert_allclose(target.P_hat_paper_raw, 186_050_880, rtol=1e-4)  # 1/4, 3.5, untied: 38 % too many
+    assert (target.L_hat_rounded == 30).all() and (target.L_err_rounded == 0).all()
+
+
+def test_eq10_scales_as_one_over_d_hat_and_the_target_platform_factor_cancels():
+    """With d_hat = 600 for a true d = 576, Eq. 10's gamma_g shrinks by 576/600: L_hat_eq10 = 30 * 576 / 600 = 28.8,
+    the same on both platforms (k = 5 cancels), and P_hat follows Eq. 3 at (d_hat, L_hat)."""
+    table = evaluate(records(k=5.0, d_used=600), TIMING).set_index(["platform", "role", "d_source"])
+    for platform in ("inprocess", "llamacpp"):
+        row = table.loc[(platform, "target", "d_hat")]
+        assert row.L_hat_eq10 == pytest.approx(28.8, rel=1e-4) and row.L_hat == pytest.approx(28.8, rel=1e-4)
+        assert row.P_hat_paper_raw_eq10 == pytest.approx(eq3_by_hand(600, row.L_hat_eq10, 49152, 0.25, 3.5, False), rel=1e-9)
+        assert row.P_hat_registry_raw == pytest.approx(eq3_by_hand(600, row.L_hat, 49152, 1 / 3, 1536 / 576, True), rel=1e-9)
+        assert table.loc[(platform, "target", "true d")].L_hat_eq10 == pytest.approx(30, rel=1e-4)
+
+
+def test_a_target_whose_latency_does_not_grow_gets_a_note_not_a_depth():
+    recs = records()
+    for platform in recs:  # the target's latency falls with ell (T - alpha = -prefill): no positive slope, no depth
+        target = recs[platform][-1]
+        target["T"] = [2 * ALPHA - t for t in target["T"]]
+    table = evaluate(recs, TIMING)
+    target = table[table.role == "target"]
+    assert target.L_hat.isna().all() and target.L_hat_eq10.isna().all() and target.P_hat_paper_raw.isna().all()
+    assert all(n.startswith("L_hat = -") and "do not grow with ell^2 d" in n for n in target.note)
+    assert all(n.startswith("L_hat = -") and "do not grow with ell^2 d" in n for n in target.note_eq10)
+    lone = held_out(recs["inprocess"][:2], recs["inprocess"][:2], recs["inprocess"][0], TIMING, "d_used")
+    assert lone["note"] == "the fits need two reference models besides r12 on each platform" and "L_hat" not in lone
+
+
+def test_param_estimates_smollm2():
+    """Eq. 3 for SmolLM2-135M at its true d and L: with its true ratios and tied embeddings it is the model's real
+    parameter count, 134,515,008; with the paper's defaults (1/4, 3.5, untied) 186,050,880."""
+    out = param_estimates(SMOL, 576, 30.0, TIMING)
+    assert out["P_hat_registry_raw"] == pytest.approx(134_515_008, abs=1) and out["P_err_registry_raw"] == pytest.approx(0, abs=1e-12)
+    assert out["P_hat_paper_raw"] == pytest.approx(186_050_880, abs=1)
+    assert out["P_err_paper_raw"] == pytest.approx((186_050_880 - 134_515_008) / 134_515_008)
+    rounded = param_estimates(SMOL, 576, 29.6, TIMING, suffix="_x")
+    assert set(rounded) == {f"P_{w}_{label}_{r}_x" for w in ("hat", "err") for label in ("paper", "registry")
+                            for r in ("raw", "rounded")}
+    assert rounded["P_hat_registry_rounded_x"] == out["P_hat_registry_raw"]  # round(29.6) = 30 layers
+    assert rounded["P_hat_registry_raw_x"] == pytest.approx(134_515_008 - 0.4 * (2 + 2 / 3 + 8) * 576**2 - 0.8 * 576)
+
+
+# -- the calibration file -------------------------------------------------------------------------
+
+
+def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(tmp_path):
+    recs = records(k=3.0)
+    cal = calibration(recs, TIMING)
+    assert cal["platform"] == "inprocess"  # the first platform is the reference platform
+    assert cal["beta"] == pytest.approx(BETA, rel=1e-6) and cal["alpha"] == pytest.approx(ALPHA, rel=1e-4)
+    assert (cal["r"], cal["trials"]) == (0.1, 4)  # that platform's protocol, not llamacpp's
+    assert {k: cal[k] for k in ("warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")} == \
+        {k: TIMING[k] for k in ("warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")}
+    # only references on the reference platform enter: the target and the other platform change nothing
+    changed = records(k=7.0, target_L=90)
+    assert calibration(changed, TIMING) == pytest.approx(cal)
+    # gamma_ref (Eq. 6, L unknown): with every reference at depth 20 it is 20 beta exactly
+    same_depth = {"inprocess": [record(n, "reference", 20, d, "inprocess") for n, _, d in FAMILY]}
+    assert calibration(same_depth, TIMING)["gamma_ref"] == pytest.approx(20 * BETA, rel=1e-6)
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(cal))
+    assert load_calibration(path) == cal  # what `nv attack --timing-calibration` reads
+    path.write_text(json.dumps({**cal, "beta": -1.0}))
+    with pytest.raises(NVError, match="has beta = -1.0: its reference fit failed"):
+        load_calibration(path)
+
+
+# -- nv.overall --------------------------------------------------------------------------------------
+
+
+def test_with_trials_keeps_the_first_K_trials_and_resummarizes():
+    rec = record("smollm2", "target", 30, 576, "inprocess", trials=6, jitter=0.003)
+    rec["rows"][3]["seconds"][5] = 99.0  # a late outlier: outside the first 4 trials
+    cut = with_trials(rec, 4, trim=0.0)
+    assert cut["trials"] == 4 and all(len(r["seconds"]) == len(r["ell"]) == 4 for r in cut["rows"])
+    base = np.mean(rec["rows"][0]["seconds"][:4])
+    expected = [np.mean(r["seconds"][:4]) - base for r in rec["rows"][1:]]
+    np.testing.assert_allclose(cut["T"], expected, rtol=1e-12)
+    assert cut["tokens"] == sum(sum(r["ell"][:4]) for r in rec["rows"])
+    assert with_trials(rec, 6, trim=0.0)["T"][2] > 99 / 6  # the outlier is in the full record
+    assert (cut["model"], cut["L"], cut["d_used"]) == ("smollm2", 30, 576)
+
+
+def test_timing_budgets_refit_the_target_at_each_trial_count():
+    recs = records(k=3.0, d_used=576)
+    table = timing_budgets(recs, TIMING, [2, 4, 8])  # 8 > the 4 trials recorded: skipped
+    assert list(zip(table.platform, table.trials)) == [("inprocess", 2), ("inprocess", 4), ("llamacpp", 2), ("llamacpp", 4)]
+    np.testing.assert_allclose(table.L_hat_at_d_used, 30, rtol=1e-3)
+    assert (table.note == "").all() and (table.L_true == 30).all() and (table.d_used == 576).all()
+    per_trial = sum(np.round(np.linspace(0.5, 1.5, 10) * 5 * 576).astype(int)) + 1  # tokens of one trial per length
+    assert table.timing_tokens.tolist() == [2 * per_trial, 4 * per_trial] * 2
+
+
+def test_combine_propagates_d_hat_into_L_hat_and_P_hat_as_rerunning_the_fit_would():
+    """overall.combine rescales L_hat(d_used) by d_used / d_hat instead of refitting; the refit with that d_hat
+    (held_out on a record whose d_used is d_hat) must give the same L_hat."""
+    recs = records(k=3.0, d_used=600)
+    timing = timing_budgets(recs, TIMING, [4])
+    phase1 = pd.DataFrame({"N": [10_000, 300_000], "tokens": [10**9, 4 * 10**10], "d_hat": [np.nan, 576.0]})
+    facts = {k: SMOL[k] for k in ("d", "L", "P", "vocab_size", "tied")}
+    table = combine(phase1, timing, facts, kv_ratio=0.25, ffn_ratio=3.5)
+    assert len(table) == 2 * 2
+    unsaturated, saturated = table[table.N == 10_000], table[table.N == 300_000]
+    assert unsaturated[["d_hat", "L_hat", "P_hat", "d_err", "L_err", "P_err"]].isna().all().all()
+    for row in saturated.itertuples():
+        target = next(r for r in recs[row.platform] if r["role"] == "target")
+        refit = held_out(recs["inprocess"], recs[row.platform], {**target, "d_used": 576}, TIMING, "d_used")
+        assert row.L_hat == pytest.approx(refit["L_hat"], rel=1e-9) and row.L_hat == pytest.approx(30, rel=1e-3)
+        assert row.P_hat == pytest.approx(eq3_by_hand(576, row.L_hat, 49152, 0.25, 3.5, True), rel=1e-12)
+        assert row.d_err == 0 and row.L_err == pytest.approx(abs(row.L_hat - 30) / 30)
+        assert row.P_err == pytest.approx(abs(row.P_hat - SMOL["P"]) / SMOL["P"])
+        assert row.tokens == 4 * 10**10 + row.timing_tokens
+
+
+def test_results_table_and_markdown():
+    estimates = evaluate(records(k=3.0, d_used=600), TIMING)
+    table = results_table(estimates)
+    assert len(table) == 2 * (len(FAMILY) + 1)  # the target's "true d" rows are not results
+    assert list(table.columns[:5]) == ["model", "role", "timing calibration", "d", "d_hat"]
+    target = table[table.model == "smollm2"]
+    assert (target.d_hat == 600).all() and (target.d == 576).all()
+    md = to_markdown(pd.DataFrame({"model": ["a", "b"], "L_hat": [np.pi, np.nan], "L error": [0.125, 0.5]}))
+    assert md.splitlines() == ["| model | L_hat | L error |", "| --- | --- | --- |", "| a | 3.142 | 12.5 % |",
+                               "| b |  | 50.0 % |"]
