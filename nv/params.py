@@ -6,6 +6,8 @@ Sections missing from the schema are passed through unchecked (later phases add 
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +57,10 @@ class EachOf(dict):
             options = " or ".join("{" + ", ".join(a) + "}" for a in self.alternatives)
             raise NVError(f"params: '{name}' must have exactly the keys {options}, got {{{', '.join(entry)}}}")
         return match
+
+
+class StageItems(EachOf):
+    """``EachOf`` whose keys name DVC ``foreach`` items: DVC reads a dot in a params path as nesting."""
 
 
 class Platforms(EachOf):
@@ -156,6 +162,20 @@ SCHEMA: dict[str, dict] = {
         "delay_exp_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
         "pad_to_tokens": _opt((int,), lambda v: v >= 1, "an int >= 1"),
     },
+    # per model of the validation set (issue 13): its phase-1 budgets and its phase-2 scale
+    "validation": {
+        "price_usd_per_mtok": _POS_NUM,
+        "models": StageItems({
+            "spec": _STR,
+            "N": _POS_INT,
+            "budgets": _BUDGETS,
+            "trials": (int, lambda v: v >= 2, ">= 2"),
+            "platforms": (list, lambda v: len(v) > 0 and all(x in Platforms.names for x in v),
+                          f"a non-empty list of {Platforms.names}"),
+            "p_max": _POS_INT,
+            "d_hat": _D_HAT,
+        }),
+    },
     # a random-weight shape (CPU default), or {spec: a hub id / folder / .gguf} of a real model (GPU profile)
     "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR}),
 }
@@ -175,6 +195,10 @@ def _check(name: str, section: dict, schema: dict) -> dict:
         bad = [k for k in section if isinstance(schema, Platforms) and k not in Platforms.names]
         if bad:
             raise NVError(f"params: unknown platform '{name}.{bad[0]}' (known: {', '.join(Platforms.names)})")
+        dotted = [k for k in section if isinstance(schema, StageItems) and not re.fullmatch(r"[A-Za-z0-9_-]+", str(k))]
+        if dotted:
+            raise NVError(f"params: '{name}.{dotted[0]}': a stage item name may hold only letters, digits, '_' and '-' "
+                          "(DVC reads a dot as nesting); put the model in its 'spec'")
         for key, entry in section.items():
             if not isinstance(entry, dict):
                 raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(entry).__name__}")

@@ -23,7 +23,7 @@ from nv.params import load_params
 class Stage:
     notebook: str
     sections: tuple[str, ...]
-    each: str | None = None  # params section with one entry per DVC foreach item
+    each: str | None = None  # params section (or section.key) with one entry per DVC foreach item
 
 
 STAGES: dict[str, Stage] = {
@@ -39,6 +39,11 @@ STAGES: dict[str, Stage] = {
     "timing_target": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing", "timing_target")),
     "timing_fit": Stage("notebooks/31_timing_fit.ipynb", ("timing", "timing_target", "timing_family")),
     "overall": Stage("notebooks/40_overall_results.ipynb", ("timing", "timing_family", "overall")),
+    "validation_phase1": Stage("notebooks/50_validation_phase1.ipynb", ("model", "search", "sampling", "spectrum"),
+                               each="validation.models"),
+    "validation_timing": Stage("notebooks/51_validation_timing.ipynb", ("model", "timing"), each="validation.models"),
+    "validation": Stage("notebooks/52_validation.ipynb",
+                        ("model", "timing", "timing_family", "overall", "spectrum", "validation")),
 }
 
 
@@ -66,10 +71,12 @@ def run_stage(
         raise NVError(f"unknown stage {name!r}; known: {', '.join(STAGES)}")
     stage = STAGES[name]
     root = Path(root or os.getcwd()).resolve()
-    params = load_params(root / params_path, list(stage.sections) + ([stage.each] if stage.each else []))
+    section, _, key = (stage.each or "").partition(".")
+    params = load_params(root / params_path, list(stage.sections) + ([section] if section else []))
     out = root / "outputs" / name
     if stage.each:
-        entries = params.pop(stage.each)
+        entries = params.pop(section)
+        entries = entries[key] if key else entries
         if item not in entries:
             raise NVError(f"stage {name} runs per item of '{stage.each}': --item must be one of {sorted(entries)}, got {item!r}")
         params.update(item=entries[item], item_name=item)
@@ -93,12 +100,39 @@ def run_stage(
     return executed
 
 
+def stage_times(root: str | Path | None = None) -> list[tuple[str, float]]:
+    """(stage or stage@item, wall seconds) of every executed stage notebook under outputs/, from papermill's record."""
+    import json
+
+    out = Path(root or os.getcwd()).resolve() / "outputs"
+    times = []
+    for name in STAGES:
+        for executed in sorted(out.glob(f"{name}/{name}.ipynb")) + sorted(out.glob(f"{name}/*/{name}.ipynb")):
+            label = name if executed.parent.name == name else f"{name}@{executed.parent.name}"
+            duration = json.loads(executed.read_text())["metadata"].get("papermill", {}).get("duration")
+            if duration is not None:
+                times.append((label, float(duration)))
+    return times
+
+
+def print_times() -> int:
+    """``python -m nv.stage times``: where the time of the last run of each stage went (README)."""
+    times = stage_times()
+    total = sum(t for _, t in times)
+    for label, t in sorted(times, key=lambda x: -x[1]):
+        print(f"{label:45s} {t / 60:7.1f} min  {100 * t / total:5.1f} %")
+    print(f"{'total':45s} {total / 60:7.1f} min")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nv.stage", description=__doc__.splitlines()[0])
-    parser.add_argument("name", help=f"one of: {', '.join(STAGES)}")
+    parser.add_argument("name", help=f"one of: {', '.join(STAGES)}; or 'times' (wall time of each stage's last run)")
     parser.add_argument("--item", help="the entry of a per-item (DVC foreach) stage")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    if args.name == "times":
+        return print_times()
     return run_main(lambda: run_stage(args.name, args.params, item=args.item))
 
 

@@ -41,6 +41,10 @@ TINY = {
     }},
     # phase 2 takes phase 1's d_hat, as the shipped params do (tiny phase 1 does not saturate: tests/test_pipeline.py)
     "timing_target": {"d_hat": "phase1", "p_max": 700},
+    # one real second model (Qwen2.5-Coder-0.5B, d = 896), in process only; its tiny phase 1 cannot saturate either,
+    # so its sweep takes the true d (an int), capped at 500 tokens like the target's
+    "validation": {"models": {"qwen-0_5b": {"spec": "qwen2.5-coder-0.5b", "N": 4000, "budgets": [4000], "trials": 2, "platforms": ["inprocess"],
+                                                      "p_max": 700, "d_hat": 896}}},
 }
 TINY_FAMILY = {
     "t-256x2": {"d": 256, "L": 2, "n_kv_heads": 1, "d_ffn": 512},

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
@@ -21,10 +22,12 @@ FIGURES = [
     "temperature_entropy.png", "prompt_search.png", "sampling_distinct_tokens.png", "common_set_coverage.png",
     "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png", "expected_N_vs_D.png",
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
-    "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png",
+    "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png", "validation_d_vs_budget.png",
+    "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
-          "carlini_baseline", "timing_target", "timing_fit", "overall"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
+          "carlini_baseline", "timing_target", "timing_fit", "overall", "validation_phase1@qwen-0_5b",
+          "validation_timing@qwen-0_5b", "validation"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -93,6 +96,39 @@ def test_repro_runs_every_stage_and_writes_every_figure(project):
     card = (project / "outputs" / "model_card" / "temperature_entropy.csv").read_text()
     assert "top100_mass" in card
     check_phase2(project)
+    check_validation(project)
+
+
+def check_validation(project: Path) -> None:
+    """The validation set at tiny settings: both real models in metrics/validation.json with their true facts, the
+    second model's own phase 1 (not saturated at N = 4000, so its lower bound is reported), its timings on the
+    in-process platform, and phase 2's estimates of both at the d each sweep used."""
+    summary = json.loads((project / "metrics" / "validation.json").read_text())
+    entries = {e["model"]: e for e in summary["models"]}
+    assert set(entries) == {"embedded", "qwen2.5-coder-0.5b"}
+    truth = {"embedded": (576, 30, 134_515_008), "qwen2.5-coder-0.5b": (896, 24, 630_167_424)}
+    for name, entry in entries.items():
+        for key in ("model", "d_true", "d_hat_raw", "saturated", "tokens", "L_true", "L_hat", "L_lo", "L_hi", "P_true", "P_hat",
+                    "P_lo", "P_hi", "P_hat_paper", "P_hat_oracle"):
+            assert key in entry, (name, key)
+        assert (entry["d_true"], entry["L_true"], entry["P_true"]) == truth[name]
+        assert entry["saturated"] is False and entry["d_hat_raw"] is None and entry["L_hat"] is None  # no d_hat: no phase 2
+        assert 0 <= entry["lower_bound"] < entry["d_true"] and entry["d_lo"] == entry["lower_bound"] and entry["tokens"] > 0
+    qwen = json.loads((project / "outputs" / "validation_phase1" / "qwen-0_5b" / "report.json").read_text())
+    assert (qwen["d_true"], qwen["D"], qwen["N"], qwen["saturated"]) == (896, 120, 4000, False)
+    record = json.loads((project / "outputs" / "validation_timing" / "qwen-0_5b" / "inprocess.json").read_text())
+    assert (record["d_used"], record["L"], record["trials"], record["lengths"]) == (896, 24, 2, [291, 361, 430, 500])
+    assert not (project / "outputs" / "validation_timing" / "qwen-0_5b" / "llamacpp.json").exists()
+    timing = pd.read_csv(project / "outputs" / "validation" / "timing.csv")
+    assert set(timing.model) == {"embedded", "qwen2.5-coder-0.5b"} and set(timing.setup) == {"F", "all"}
+    same = timing[timing.calibration == "same platform"]
+    assert (same.L_hat_rule > 0).all() and (same.P_ne_hat.notna()).all(), same
+    assert summary["coverage"]["d_cases"] == 3 and summary["coverage"]["d"] == 1.0  # lower bounds below the truth
+    # where the time went: one line per executed stage (per item), from papermill's record, and the total
+    times = subprocess.run([str(BIN / "python"), "-m", "nv.stage", "times"], cwd=project, capture_output=True, text=True, check=True)
+    lines = times.stdout.splitlines()
+    assert len(lines) == len(STAGES) + 1 and lines[-1].startswith("total"), times.stdout
+    assert any(line.startswith("validation_timing@qwen-0_5b ") for line in lines)
 
 
 def check_phase2(project: Path) -> None:

@@ -54,6 +54,18 @@ def test_paper_profile_gives_valid_params_with_the_paper_values(root, params):
     assert apply(root / "profiles" / "paper.yaml", params) == [] and params.read_text() == text  # idempotent
 
 
+def test_validation_profile_adds_the_1_5b_and_changes_nothing_else(root, params):
+    default = load_params(params)
+    assert [m["spec"] for m in default["validation"]["models"].values()] == ["qwen2.5-coder-0.5b"]  # default: SmolLM2 + 0.5B
+    assert apply(root / "profiles" / "validation.yaml", params) == ["validation.models"]
+    p = load_params(params)
+    models = p["validation"]["models"]
+    assert models["qwen-0_5b"] == default["validation"]["models"]["qwen-0_5b"]
+    assert models["qwen-1_5b"]["spec"] == "qwen2.5-coder-1.5b" and models["qwen-1_5b"]["N"] == 1_000_000
+    assert max(models["qwen-1_5b"]["budgets"]) == 1_000_000
+    assert {k: v for k, v in p.items() if k != "validation"} == {k: v for k, v in default.items() if k != "validation"}
+
+
 def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(params, tmp_path):
     before = params.read_text()
     bad = tmp_path / "bad.yaml"

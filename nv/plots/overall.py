@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
+
+from nv.plots.validation import FAIL, fail_band, log_axis
 
 
 def error_vs_budget(table: pd.DataFrame, model: str):
     """One panel per platform: relative errors of d, L and P against the total tokens (phase 1 +
     timing); one line per timing budget K' (trials per length). Phase-1 budgets without a
-    saturated spectrum have no d_hat and therefore no point (marked along the bottom)."""
+    saturated spectrum have no d_hat: red crosses in the "no estimate" band above the axes."""
     platforms = list(dict.fromkeys(table.platform))
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.2 * len(platforms), 4.6), squeeze=False, sharey=True)
     for ax, platform in zip(axes[0], platforms):
@@ -21,11 +22,12 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
                 ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "o-", ms=3, color=color,
                         label=f"{what}_hat, K'={K}" if j == sub.trials.nunique() - 1 or what == "L" else None, **style)
-        missing = sub[sub.d_hat.isna()].tokens.unique()
-        ax.plot(missing, np.zeros(len(missing)), "x", color="0.4", label="spectrum not saturated: no d_hat")
+        fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105)
+        ax.plot([], [], label="spectrum not saturated: no d_hat", **FAIL)
         ax.axhline(30, ls=":", color="0.5", lw=1)
-        ax.set(xscale="log", xlabel="total budget (tokens: phase 1 + timing)", ylabel="relative error (%)",
-               title=f"{model} on {platform}")
+        ax.set_ylim(0, 115)
+        log_axis(ax, "total budget (tokens: phase 1 + timing)")
+        ax.set(ylabel="relative error (%)", title=f"{model} on {platform}")
         ax.legend(fontsize=7)
     fig.suptitle("Overall: d from the common-set spectrum, then L and P from timing (dotted: 30 %)")
     fig.tight_layout()

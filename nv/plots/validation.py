@@ -1,0 +1,179 @@
+"""Validation figures across models (§5.1): Fig. validation (d_hat error versus budget), Fig. err_d_L_N, the
+per-model L_hat / P_hat errors, the scaling relation with the real models marked, Fig. L_param_err_budget.
+
+A failure must look like one: a budget without a saturated spectrum is drawn as a red cross in a "no
+estimate" band above the axes, never on the 0 % line; the robust estimator's lower bound is shown beside it.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+
+from nv.phase2.evaluation import timings
+from nv.phase2.fit import fit_scaling
+
+FAIL = {"marker": "X", "color": "red", "ms": 8, "ls": "none", "zorder": 4}
+
+
+def log_axis(ax, xlabel: str) -> None:
+    """Log x axis with readable, non-overlapping major ticks only."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(numticks=6))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel(xlabel)
+
+
+def fail_band(ax, xs, top: float, label: str | None) -> None:
+    """Red crosses just above the plotted range, with the band labelled, for budgets with no estimate."""
+    if len(xs):
+        ax.plot(list(xs), [top] * len(xs), label=label, **FAIL)
+    ax.axhspan(top * 0.96, top * 1.04, color="red", alpha=0.07)
+    ax.annotate("no estimate", (0.01, top * 1.04), xycoords=("axes fraction", "data"), color="red", fontsize=7, va="bottom")
+
+
+def _colors(models) -> dict:
+    return {m: f"C{i}" for i, m in enumerate(dict.fromkeys(models))}
+
+
+def d_vs_budget(phase1: pd.DataFrame):
+    """Fig. validation: signed relative error of d_hat_raw versus samples per prompt N, one faint line per model
+    and the bold mean of |error| over the models saturated at that N, both estimators. Unsaturated budgets:
+    red crosses in the no-estimate band; the robust estimator's lower bound as an open triangle."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    colors = _colors(phase1.model)
+    for ax, method in zip(axes, ("robust", "paper")):
+        rows = phase1[phase1.method == method]
+        top = 115.0
+        for model, r in rows.groupby("model", sort=False):
+            r = r.sort_values("N")
+            ok = r[r.saturated]
+            ax.plot(ok.N, 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.45, ms=4,
+                    label=f"{model} (d = {int(r.d_true.iloc[0])})")
+            fail = r[~r.saturated]
+            fail_band(ax, fail.N, top, None)
+            if method == "robust" and len(fail):
+                ax.plot(fail.N, 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "v", mfc="none", color=colors[model], ms=7)
+        mean = rows[rows.saturated].groupby("N").apply(lambda g: 100 * np.mean(np.abs(g.d_hat_raw - g.d_true) / g.d_true),
+                                                          include_groups=False)
+        ax.plot(mean.index, mean.values, "k-", lw=2.5, label="mean |error| of the saturated models")
+        ax.plot([], [], "v", mfc="none", color="0.3", label="not saturated: lower bound (robust)")
+        ax.plot([], [], label="not saturated: no estimate", **FAIL)
+        ax.axhline(0, color="0.6", lw=0.8)
+        log_axis(ax, "samples per prompt N")
+        ax.set_ylim(-105, top + 12)
+        ax.set_title(f"{method} estimator")
+        ax.legend(fontsize=7, loc="center right")
+    axes[0].set_ylabel("relative error of d_hat_raw (%)")
+    fig.suptitle("Hidden dimension versus budget on every model (Fig. validation)")
+    fig.tight_layout()
+    return fig
+
+
+def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: float) -> None:
+    """|error| of ``what`` versus column ``x``: faint line per model, bold mean over models; failures in the band."""
+    for model, r in cases.groupby("model", sort=False):
+        r = r.sort_values(x)
+        ok = r[r[f"{what}_err"].notna()]
+        ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "o-", color=colors[model], alpha=0.45, ms=3, label=model)
+        fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None)
+    ok = cases[cases[f"{what}_err"].notna()].sort_values(x)
+    if len(ok):  # the k-th cheapest case of every model, averaged (models differ in their budgets)
+        means = ok.assign(rank=ok.groupby("model").cumcount()).groupby("rank").agg(
+            x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
+        means = means[means.n == ok.model.nunique()]
+        ax.plot(means.x, 100 * means.e, "k-", lw=2.5, label="mean over models (k-th budget)")
+
+
+def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
+    """Fig. err_d_L_N: |relative error| of d, L and P versus total budget (tokens), the reference platform
+    against F, every (phase-1 budget, K') case; one faint line per model, bold mean."""
+    sub = cases[(cases.setup == "F") & (cases.platform == reference_platform)]
+    colors = _colors(sub.model)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    for ax, what in zip(axes, ("d", "L", "P")):
+        _per_model(ax, sub, "tokens", what, colors, 105)
+        ax.plot([], [], label="no d_hat at this budget", **FAIL)
+        ax.set_ylim(0, 115)
+        log_axis(ax, "total budget (tokens: phase 1 + timing)")
+        ax.set_ylabel(f"|relative error| of {what}_hat (%)")
+        ax.set_title({"d": "hidden dimension d", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Errors versus total budget on every model ({reference_platform}, references F)")
+    fig.tight_layout()
+    return fig
+
+
+def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: float):
+    """Fig. L_param_err_budget: |relative error| of L_hat and P_hat versus API calls and versus cost in USD."""
+    sub = cases[(cases.setup == "F") & (cases.platform == reference_platform)]
+    colors = _colors(sub.model)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for i, what in enumerate(("L", "P")):
+        for ax, x, label in ((axes[i, 0], "calls", "API calls"), (axes[i, 1], "usd", f"cost (USD at ${price:g} per million tokens)")):
+            _per_model(ax, sub, x, what, colors, 105)
+            ax.set_ylim(0, 115)
+            log_axis(ax, label)
+            ax.set_ylabel(f"|relative error| of {what}_hat (%)")
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Depth and parameter-count errors versus query budget ({reference_platform}, references F)")
+    fig.tight_layout()
+    return fig
+
+
+def L_P_errors(top: pd.DataFrame):
+    """Per-model signed errors at the full budget: L by both estimators and the rule, P attacker-side (with its
+    90 % interval), with the paper's default ratios and with the true ratios; one panel per setup."""
+    setups = list(dict.fromkeys(top.setup))
+    fig, axes = plt.subplots(len(setups), 1, figsize=(13, 4.2 * len(setups)), squeeze=False)
+    bars = [("L_hat_basic", "L basic (§4.2)", "L_true"), ("L_hat_eq10", "L Eq. 10", "L_true"), ("L_hat", "L rule", "L_true"),
+            ("P_hat", "P attacker-side", "P_true"), ("P_hat_paper", "P paper ratios", "P_true"), ("P_hat_oracle", "P true ratios (oracle)", "P_true")]
+    for ax, setup in zip(axes[:, 0], setups):
+        rows = top[top.setup == setup].reset_index(drop=True)
+        labels = [f"{r.model}\n{r.calibration}" for r in rows.itertuples()]
+        width = 0.8 / len(bars)
+        for j, (col, name, truth) in enumerate(bars):
+            err = 100 * (rows[col] - rows[truth]) / rows[truth]
+            x = np.arange(len(rows)) + (j - len(bars) / 2 + 0.5) * width
+            ax.bar(x, err.fillna(0), width, color=f"C{j}", label=name)
+            for xi, e in zip(x, err):
+                if not np.isfinite(e):
+                    ax.text(xi, 0, "no fit", rotation=90, fontsize=6, ha="center", va="bottom", color="red")
+            if col in ("L_hat", "P_hat"):
+                lo, hi = (100 * (rows[f"{col[0]}_{b}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
+                ax.errorbar(x, err.fillna(0), yerr=[(err - lo).clip(lower=0).fillna(0), (hi - err).clip(lower=0).fillna(0)],
+                            fmt="none", ecolor="k", lw=1, capsize=2)
+        ax.axhline(0, color="k", lw=0.8)
+        for y in (-25, 25):
+            ax.axhline(y, color="0.6", ls=":", lw=0.8)
+        ax.set_xticks(np.arange(len(rows)), labels, fontsize=7)
+        ax.set_ylabel("signed relative error (%)")
+        ax.set_ylim(-100, 150)
+        ax.set_title(f"references: {setup} (whiskers: 90 % intervals; dotted: +-25 %)")
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def scaling(records: dict[str, list[dict]], discard: int):
+    """The scaling relation T ~ beta L ell^2 d + alpha (Eq. 2) fitted on F, with every real model marked."""
+    fig, axes = plt.subplots(1, len(records), figsize=(6.4 * len(records), 4.8), squeeze=False)
+    for ax, (platform, recs) in zip(axes[0], records.items()):
+        refs = [r for r in recs if r["role"] == "reference"]
+        pts = timings(refs, discard, "d")
+        fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
+        for i, r in enumerate(recs):
+            x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
+            real = r["role"] == "target"
+            ax.scatter(x, r["T"], s=60 if real else 12, marker="*" if real else "o", color=f"C{i % 10}" if real else "0.6",
+                       label=f"{r['model']} (d={r['d']}, L={r['L']})" if real else None, zorder=3 if real else 2)
+        ax.scatter([], [], s=12, color="0.6", label="reference family F (random weights)")
+        xs = np.linspace(0, ax.get_xlim()[1], 50)
+        ax.plot(xs, fit.slope * xs + fit.intercept, "k--", lw=1, label=f"Eq. 2 on F: beta = {fit.slope:.3g} s")
+        ax.set(xlabel="L ell^2 d", ylabel="prefill time T (s)", title=platform)
+        ax.legend(fontsize=7)
+    fig.suptitle("Scaling relation with the real models (true d, L): off the line = what family details do to it")
+    fig.tight_layout()
+    return fig
