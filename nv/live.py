@@ -15,6 +15,7 @@ from pathlib import Path
 from nv.errors import NVError
 from nv.oracle.journal import Journal
 from nv.oracle.http import Budget, HTTPOracle
+from nv.phase1.adaptive import schedule
 from nv.theory.sample_complexity import mu_uniform, required_mean
 
 DELTA = 0.05
@@ -59,31 +60,38 @@ def plan(params: dict, budget: Budget) -> dict:
     search, sampling, live = params["search"], params["sampling"], params["live"]
     ell, n = live["prompt_tokens"], live["n_per_request"]
     search_calls = search["rounds"] * search["batch_size"]
-    sample_calls = search["D"] * sampling["N"]
-    sample_requests = search["D"] * math.ceil(sampling["N"] / n)
-    requests = 2 + search_calls + sample_requests
-    billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
+    adaptive = sampling["N"] == "auto"
+    rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
+
+    def cost(N: int) -> dict:
+        sample_calls, sample_requests = search["D"] * N, search["D"] * math.ceil(N / n)
+        billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
+        return {"N": N, "sampling_calls": sample_calls, "requests": 2 + search_calls + sample_requests,
+                "tokens_paper": (ell + 1) * (search_calls + sample_calls), "tokens_billed": billed, "money": budget.money_of(billed)}
+
+    N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
     return {
         "D": search["D"],
-        "N": sampling["N"],
+        **cost(N),
+        "adaptive": adaptive,
+        "rounds": [cost(r) for r in rounds],
         "search_calls": search_calls,
-        "sampling_calls": sample_calls,
-        "requests": requests,
         "prompt_tokens_per_call": ell,
-        "tokens_paper": (ell + 1) * (search_calls + sample_calls),
-        "tokens_billed": billed,
-        "money": budget.money_of(billed),
-        "theorem1_common_set": {V: guaranteed_common_size(sampling["N"], search["D"], V) for V in EFFECTIVE_VOCABS},
+        "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
     }
 
 
 def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
+    adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable; cumulative tokens (§5) by round: "
+                + ", ".join(f"N = {r['N']:,}: {r['tokens_paper']:.3g}" for r in p["rounds"])
+                + "\n                    (the caps above are for N_max; a budget cap ends the run after its last affordable round)"
+                ) if p["adaptive"] else ""
     return (
         f"plan for phase 1 against {model} at {base_url} (nothing sent):\n"
         f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
-        f"  sampling          D = {s['D']:,} prompts x N = {smp['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}\n"
+        f"  sampling          D = {s['D']:,} prompts x N = {p['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}{adaptive}\n"
         f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} samples per request where n is honoured)\n"
         f"  tokens (§5)       {p['tokens_paper']:,} = (prompt + 1) x calls, prompt ~ {p['prompt_tokens_per_call']} tokens (estimate)\n"
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
@@ -93,7 +101,10 @@ def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
 
 
 def check_budget(p: dict, budget: Budget) -> None:
-    """Refuse, before anything is spent, a budget below the planned requests, tokens or money."""
+    """Refuse, before anything is spent, a budget below the planned requests, tokens or money (adaptive: below the
+    first round; the run stops after the last round the budget affords)."""
+    if p["adaptive"]:
+        p = {**p, **p["rounds"][0]}
     for what, cap, need in (("calls", budget.calls, p["requests"]), ("tokens", budget.tokens, p["tokens_billed"]),
                             ("money", budget.money, p["money"])):
         if cap is not None and need is not None and need > cap:

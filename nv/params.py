@@ -95,7 +95,14 @@ SCHEMA: dict[str, dict] = {
         "threshold": _PROB,
         "length": _POS_INT,
     },
-    "sampling": {"N": _POS_INT, "temperature": _POS_NUM, "chunk": _POS_INT},
+    "sampling": {
+        "N": ((int, str), lambda v: v == "auto" or (isinstance(v, int) and v >= 1), "an int >= 1 or 'auto'"),
+        "N0": _POS_INT,
+        "N_max": _POS_INT,
+        "growth": ((int, float), lambda v: v > 1, "> 1"),
+        "temperature": _POS_NUM,
+        "chunk": _POS_INT,
+    },
     "spectrum": {
         "method": _one_of("robust", "paper"),
         "whitebox_prompts": _POS_INT,

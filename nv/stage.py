@@ -29,7 +29,7 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "model_card": Stage("notebooks/00_model_card.ipynb", ("model", "model_card")),
     "prompt_search": Stage("notebooks/10_prompt_search.ipynb", ("model", "search")),
-    "sampling": Stage("notebooks/11_sampling.ipynb", ("model", "sampling")),
+    "sampling": Stage("notebooks/11_sampling.ipynb", ("model", "sampling", "spectrum")),
     "pruning": Stage("notebooks/12_pruning.ipynb", ()),
     "spectrum": Stage("notebooks/13_spectrum.ipynb", ("model", "spectrum")),
     "budget_sweep": Stage("notebooks/14_budget_sweep.ipynb", ("spectrum", "sweep")),

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import yaml
+
 from conftest import write_tiny_params
 
 NV = [sys.executable, "-m", "nv.cli"]
@@ -25,6 +27,25 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     assert report["common_set_size"] < 576
     assert (out / "spectrum.png").stat().st_size > 10_000
     assert json.loads(proc.stdout.strip().splitlines()[-1])["saturated"] is False
+
+
+def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, tmp_path):
+    """sampling.N: auto on the real model, N_max far below saturation: rounds 1000, 2000, 2500 (nested draws), each
+    estimated, the run ends at N_max not saturated, and the report carries every round."""
+    params_path = write_tiny_params(root, tmp_path)
+    params = yaml.safe_load(params_path.read_text())
+    params["sampling"].update(N="auto", N0=1000, N_max=2500, growth=2.0)
+    params_path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    out = tmp_path / "out"
+    proc = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params_path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [r["N"] for r in report["adaptive"]] == [1000, 2000, 2500] and report["adaptive_stop"] == "N_max"
+    assert report["N"] == 2500 and report["calls"] == 120 * 2500 + 2 * 96 and not report["saturated"]
+    assert report["adaptive"][-1]["lower_bound"] == report["lower_bound"] and report["adaptive"][-1]["C"] == report["common_set_size"]
+    assert all(a["C"] <= b["C"] + 3 for a, b in zip(report["adaptive"], report["adaptive"][1:]))  # the common set grows with N
+    assert "round 2: N = 2,500" in proc.stdout + proc.stderr
 
 
 def test_attack_errors_are_one_line_without_traceback(root, tmp_path):

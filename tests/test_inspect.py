@@ -1,7 +1,7 @@
 """Interactive inspection: nv.phase1.inspect's cached recompute and the notebook executed headless by papermill.
 
-The input is synthetic, not a real model's: a toy oracle (``LowRankOracle``, a random linear "LM" over a
-300-token vocabulary whose logits have rank R exactly, so the right answer is known) stands in for the model, and
+The input is synthetic, not a real model's: a toy oracle (``tests/synthetic.LowRankOracle``, a random linear "LM" over
+a 300-token vocabulary whose logits have rank R exactly, so the right answer is known) stands in for the model, and
 only the code around it is the pipeline's own: its samples go through nv.phase1.sampling.collect (shards + manifest
 as the sampling stage writes them) and nv.phase1.pipeline.common_set into common_set.npz as the pruning stage stores
 it. The spectral estimators on the real SmolLM2 common set are tested in tests/test_softmax_bottleneck.py.
@@ -17,42 +17,15 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
-from nv.oracle.multinomial import multinomial_counts
-from nv.oracle.base import Oracle, Samples
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import paper as paper_detector
 from nv.phase1.spectrum import robust as robust_detector
+from synthetic import LowRankOracle
 
 R, VOCAB, D, N = 12, 300, 80, 20_000
 PAPER = {"p": 0.54, "g": 128, "w": None, "w_s": None, "lam_sad": float(np.pi), "lam_peak": float(np.pi / 2)}
 ROBUST = {"g": 8, "z_min": 8.0, "min_ratio": 1.05}
-
-
-class LowRankOracle(Oracle):
-    """A synthetic toy LM (no real model): the logits of prompt q are h_q W^T with h_q in R^R drawn from the prompt's
-    bytes, so log_softmax(z / tau) has rank R + 1 and the right answer d = R is known exactly."""
-
-    def __init__(self):
-        super().__init__()
-        self.W = np.random.default_rng(0).normal(scale=0.5, size=(VOCAB, R))
-
-    def sample(self, prompts, n, temperature, seeds):
-        out = []
-        for prompt, seed in zip(prompts, seeds):
-            z = self.W @ np.random.default_rng(list(prompt.encode())).normal(size=R) / temperature
-            logp = z - np.logaddexp.reduce(z)
-            counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(logp))
-            ids = np.flatnonzero(counts)
-            out.append(Samples(ids, logp[ids].astype(np.float32), counts[ids], prompt_tokens=5))
-            self.cost.charge(5, n)
-        return out
-
-    def argmax(self, prompts):
-        raise NotImplementedError("the inspection tests only sample")
-
-    def time_request(self, prompt):
-        raise NotImplementedError("the inspection tests only sample")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """params.yaml validation: one-line errors naming the key, on the CLI without a traceback."""
 
+import re
 import subprocess
 import sys
 
@@ -105,3 +106,26 @@ def test_load_params_refuses_an_unknown_key(tmp_path, params, edit, message):
     with pytest.raises(NVError, match=message) as err:
         load_params(write(tmp_path, params))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: p["sampling"].update(N="many"), "'sampling.N' must be an int >= 1 or 'auto', got 'many'"),
+        (lambda p: p["sampling"].update(growth=1.0), "'sampling.growth' must be > 1, got 1.0"),
+        (lambda p: p["validation"]["models"].update({"qwen2.5": p["validation"]["models"]["qwen-0_5b"]}),
+         "'validation.models.qwen2.5': a stage item name may hold only letters, digits, '_' and '-'"),
+        (lambda p: p["validation"]["models"]["qwen-0_5b"].update(platforms=["gpu"]),
+         "'validation.models.qwen-0_5b.platforms' must be a non-empty list of ('inprocess', 'llamacpp')"),
+        (lambda p: p["validation"]["models"]["qwen-0_5b"].pop("spec"), "missing key 'validation.models.qwen-0_5b.spec'"),
+    ],
+)
+def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, edit, message):
+    edit(params)
+    with pytest.raises(NVError, match=re.escape(message)):
+        load_params(write(tmp_path, params))
+
+
+def test_sampling_n_may_be_auto(tmp_path, params):
+    params["sampling"]["N"] = "auto"
+    assert load_params(write(tmp_path, params))["sampling"]["N"] == "auto"

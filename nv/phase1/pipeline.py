@@ -7,7 +7,7 @@ model except through the oracle passed in.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +97,20 @@ def report(
     }
 
 
+def sample(oracle, prompts: list[str], sampling: dict, robust: dict, seed: int, out_dir: Path, checkpoint_root: Path,
+           identity: dict, progress: bool = True) -> tuple[Path, dict]:
+    """Alg. 1 lines 1-4 into ``out_dir``: N calls per prompt, or adaptive rounds when ``sampling.N`` is 'auto'
+    (``nv.phase1.adaptive``; the rounds and why they stopped are returned for the report)."""
+    if sampling["N"] != "auto":
+        return collect(oracle, prompts, sampling["N"], sampling["temperature"], seed, out_dir, oracle.vocab_size,
+                       checkpoint_root=checkpoint_root, identity=identity, chunk=sampling["chunk"], progress=progress), {}
+    from nv.phase1.adaptive import sample_adaptive  # adaptive builds on this module's common_set
+
+    folder, rounds, why = sample_adaptive(oracle, prompts, sampling, robust, seed, out_dir, oracle.vocab_size, checkpoint_root,
+                                          identity, progress)
+    return folder, {"adaptive": [asdict(r) for r in rounds], "adaptive_stop": why}
+
+
 def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None = None, progress: bool = True) -> dict:
     """The whole phase on any oracle: search, sampling (checkpointed), pruning, spectrum.
 
@@ -109,13 +123,12 @@ def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None
                             progress=progress)
     search_cost = oracle.cost.as_dict()
     (out_dir / "prompts.json").write_text(json.dumps(result.kept, ensure_ascii=False, indent=0) + "\n")
-    samples_dir = collect(oracle, result.kept, sampling["N"], sampling["temperature"], params["seed"], out_dir / "samples",
-                          oracle.vocab_size, checkpoint_root=out_dir / ".checkpoints",
-                          identity={"model": params["model"]}, chunk=sampling["chunk"], progress=progress)
+    samples_dir, adaptive = sample(oracle, result.kept, sampling, spectrum["robust"], params["seed"], out_dir / "samples",
+                                   out_dir / ".checkpoints", {"model": params["model"]}, progress)
     sampled = load_samples(samples_dir)
     common = common_set(sampled)
     estimates = estimate_both(common.Y, spectrum)
-    record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost)
+    record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
     (out_dir / "report.json").write_text(json.dumps(record, indent=2) + "\n")
     save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
     return record

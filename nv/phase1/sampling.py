@@ -21,7 +21,7 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.errors import NVError
-from nv.oracle.base import Oracle
+from nv.oracle.base import Oracle, Samples
 
 MANIFEST = "manifest.json"
 
@@ -138,6 +138,24 @@ def collect(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(work), str(out_dir))
     return out_dir
+
+
+def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None, chunk: int = 100) -> Path:
+    """Write Y_hat as ``collect`` does (shards of ``chunk`` prompts and a manifest with ``extra``), for a matrix
+    assembled from several sampling folders (``nv.phase1.adaptive``); ``load_samples`` reads it back."""
+    folder = Path(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for s in range(0, S.D, chunk):
+        rows = range(s, min(S.D, s + chunk))
+        samples = [Samples(S.counts.indices[S.counts.indptr[q]:S.counts.indptr[q + 1]],
+                           S.logprobs.data[S.logprobs.indptr[q]:S.logprobs.indptr[q + 1]],
+                           S.counts.data[S.counts.indptr[q]:S.counts.indptr[q + 1]], int(S.prompt_tokens[q])) for q in rows]
+        _save_shard(folder / f"shard-{s:07d}.npz", samples, S.counts.shape[1])
+    meta = {"N": S.N, "temperature": S.temperature, "chunk": chunk, "D": S.D, "vocab_size": S.counts.shape[1], **(extra or {})}
+    (folder / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    return folder
 
 
 def load_samples(folder: str | Path) -> SampledMatrix:

@@ -1,0 +1,148 @@
+"""Adaptive sampling (``sampling.N: auto``): phase 1 decides its own budget N (issue 14; the paper fixes N).
+
+Rounds of sampling at growing N (N_0, growth x N_0, ..., capped at ``N_max``): round r draws the
+N_r - N_{r-1} new calls per prompt with its own seed, so the rounds together are the first N_r calls of one
+nested sample (a sum of independent multinomials is the multinomial of the sum). After each round the merged
+Y_hat is pruned to its common set and given to the robust estimator. Stop rule: the estimate is saturated at
+N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no new calls), saturated again with
+d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
+would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
+Otherwise the loop stops at ``N_max`` or at a budget cap (``Budget`` of the HTTP oracle), reporting not
+saturated with its lower bound and the cost of the next round.
+
+Each finished round is a sampling folder (``nv.phase1.sampling.collect``) under the checkpoint root, keyed by
+the round's seed and size: a rerun after a stop redoes no finished round, and on an endpoint the journal
+answers every request already paid for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from nv.errors import NVError
+from nv.oracle.base import Oracle
+from nv.phase1.pipeline import common_set
+from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_samples
+from nv.phase1.spectrum import SpectrumEstimate, estimate
+
+
+def schedule(N0: int, N_max: int, growth: float = 2.0) -> list[int]:
+    """The rounds' cumulative N: N_0, growth N_0, growth^2 N_0, ..., the last capped at N_max."""
+    if not 1 <= N0 <= N_max or growth <= 1:
+        raise NVError(f"adaptive sampling needs 1 <= N0 <= N_max and growth > 1, got N0={N0}, N_max={N_max}, growth={growth}")
+    out = [N0]
+    while out[-1] < N_max:
+        out.append(min(N_max, math.ceil(out[-1] * growth)))
+    return out
+
+
+def round_seed(seed: int, r: int) -> int:
+    """The seed of round r's draws: distinct per round, a function of params.yaml's seed only."""
+    return int(np.random.SeedSequence([seed, r]).generate_state(1)[0])
+
+
+def merge(parts: list[SampledMatrix]) -> SampledMatrix:
+    """Y_hat of the union of the rounds: counts add; a token's log-prob is the count-weighted mean of its rounds'
+    values (equal on an exact oracle; an average against a noisy one)."""
+    counts = sum((p.counts.astype(np.float64) for p in parts[1:]), parts[0].counts.astype(np.float64)).tocsr()
+    weighted = sum((p.logprobs.multiply(p.counts) for p in parts[1:]), parts[0].logprobs.multiply(parts[0].counts)).tocsr()
+    counts.sort_indices()
+    weighted.sort_indices()
+    if not (np.array_equal(counts.indptr, weighted.indptr) and np.array_equal(counts.indices, weighted.indices)):
+        raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
+    logprobs = sp.csr_matrix((weighted.data / counts.data, counts.indices, counts.indptr), shape=counts.shape)
+    prompt_tokens = parts[0].prompt_tokens
+    return SampledMatrix(logprobs.astype(np.float32), counts.astype(np.int64), prompt_tokens,
+                         sum(p.N for p in parts), parts[0].temperature)
+
+
+@dataclass
+class Round:
+    """One round's outcome, as the progress display and the report show it."""
+
+    round: int
+    N: int
+    D_prime: int
+    C: int
+    saturated: bool
+    d_hat_raw: int | None
+    lower_bound: int | None
+    check_N: int
+    check_d_hat_raw: int | None
+    tokens: int
+    calls: int
+
+    def line(self) -> str:
+        found = f"d_hat_raw = {self.d_hat_raw} (check at N = {self.check_N:,}: {self.check_d_hat_raw})" if self.saturated \
+            else f"not saturated, d >= {self.lower_bound}"
+        return (f"round {self.round}: N = {self.N:,}, common set {self.D_prime} x {self.C}, {found}; "
+                f"spent {self.tokens:.3g} tokens, {self.calls:.3g} calls")
+
+
+def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
+    """The stop rule: saturated at N_r and at the thinned check budget, within +-1."""
+    return (estimate_.saturated and check.saturated
+            and abs(int(estimate_.d_hat_raw) - int(check.d_hat_raw)) <= 1)
+
+
+def sample_adaptive(
+    oracle: Oracle,
+    prompts: list[str],
+    sampling: dict,
+    robust: dict,
+    seed: int,
+    out_dir: Path,
+    vocab_size: int,
+    checkpoint_root: Path,
+    identity: dict,
+    progress: bool = True,
+    report: Callable[[str], None] = print,
+) -> tuple[Path, list[Round], str]:
+    """Sample in rounds until the stop rule holds, N_max is reached or the oracle refuses the next round (a budget
+    cap: ``NVError`` from the oracle). Writes the merged Y_hat to ``out_dir`` (``load_samples`` reads it); returns
+    it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message)."""
+    plan = schedule(sampling["N0"], sampling["N_max"], sampling["growth"])
+    parts, rounds, why, merged = [], [], "N_max", None
+    for r, N in enumerate(plan):
+        delta = N - (plan[r - 1] if r else 0)
+        folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
+        if not _finished(folder, delta, len(prompts)):
+            try:
+                collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
+                        checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
+                        progress=progress)
+            except NVError as exc:
+                if merged is None:
+                    raise
+                next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
+                why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
+                break
+        parts.append(load_samples(folder))
+        merged = merge(parts)
+        cs = common_set(merged)
+        est = estimate(cs.Y, "robust", **robust)
+        check_N = max(1, int(N / math.sqrt(2)))
+        check = estimate(common_set(merged.subsample(check_N, seed)).Y, "robust", **robust) if est.saturated else est
+        rounds.append(Round(r, N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
+                            check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls()))
+        report(rounds[-1].line())
+        if stopped(est, check):
+            why = "stable"
+            break
+    save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
+    return Path(out_dir), rounds, why
+
+
+def _finished(folder: Path, N: int, D: int) -> bool:
+    """A round already sampled (a rerun after a stop): its folder loads, with this round's N and D."""
+    try:
+        S = load_samples(folder)
+    except NVError:
+        return False
+    return S.N == N and S.D == D

@@ -1,0 +1,80 @@
+"""Adaptive sampling (nv.phase1.adaptive, sampling.N: auto) on a synthetic toy LM whose rank is known
+(tests/synthetic.py): the loop stops at the first round where the stop rule holds, with the right d; it reports
+not saturated when N_max is too small; a rerun draws nothing twice. The live-endpoint resume is tested in
+tests/test_live_endpoint.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from nv.errors import NVError
+from nv.phase1.adaptive import merge, round_seed, sample_adaptive, schedule, stopped
+from nv.phase1.pipeline import common_set
+from nv.phase1.sampling import collect, load_samples
+from nv.phase1.spectrum import estimate
+from synthetic import LowRankOracle
+
+ROBUST = {"g": 8, "z_min": 8.0, "min_ratio": 1.05}
+PROMPTS = [f"prompt {q}" for q in range(80)]
+
+
+def test_schedule_grows_geometrically_to_n_max():
+    assert schedule(1000, 10_000) == [1000, 2000, 4000, 8000, 10_000]
+    assert schedule(1000, 1000) == [1000]
+    assert schedule(100, 1000, 1.5)[:4] == [100, 150, 225, 338]
+    for bad in ((0, 10, 2.0), (20, 10, 2.0), (10, 100, 1.0)):
+        with pytest.raises(NVError, match="adaptive sampling needs"):
+            schedule(*bad)
+
+
+def test_merged_rounds_are_one_nested_sample(tmp_path):
+    oracle = LowRankOracle()
+    parts = []
+    for r, n in enumerate((300, 700)):
+        collect(oracle, PROMPTS[:10], n, 2.0, round_seed(0, r), tmp_path / f"r{r}", 300, tmp_path / "ck", {"m": "toy"}, 5, False)
+        parts.append(load_samples(tmp_path / f"r{r}"))
+    merged = merge(parts)
+    assert merged.N == 1000 and np.array_equal(np.asarray(merged.counts.sum(axis=1)).ravel(), np.full(10, 1000))
+    # a token seen in both rounds keeps its (exact) log-prob; the union of the columns is kept
+    for q in range(10):
+        cols = set(parts[0].counts[q].indices) | set(parts[1].counts[q].indices)
+        assert set(merged.counts[q].indices) == cols
+    both = parts[0].logprobs.multiply(parts[1].counts > 0)
+    np.testing.assert_array_equal(merged.logprobs.multiply(both != 0).data, both.data)
+    assert round_seed(0, 0) != round_seed(0, 1) and round_seed(0, 1) == round_seed(0, 1)
+
+
+def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
+    oracle = LowRankOracle()
+    sampling = {"N0": 250, "N_max": 64_000, "growth": 2.0, "temperature": 2.0, "chunk": 40}
+    lines = []
+    out, rounds, why = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "samples", 300, tmp_path / "ck",
+                                       {"m": "toy"}, progress=False, report=lines.append)
+    assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].check_d_hat_raw in (11, 12, 13)
+    assert len(rounds) >= 3 and rounds[-1].N < sampling["N_max"]  # it stopped by itself, before N_max
+    assert len(lines) == len(rounds) and f"round {len(rounds) - 1}: N = {rounds[-1].N:,}" in lines[-1]
+    S = load_samples(out)
+    assert S.N == rounds[-1].N and S.D == len(PROMPTS) and S.tokens() == rounds[-1].tokens
+    # recomputed independently from the round folders: every earlier round fails the rule, the last one meets it
+    parts = [load_samples(f) for f in sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))]
+    for r in range(len(rounds)):
+        merged = merge(parts[: r + 1])
+        est = estimate(common_set(merged).Y, "robust", **ROBUST)
+        check = estimate(common_set(merged.subsample(int(merged.N / math.sqrt(2)), 0)).Y, "robust", **ROBUST)
+        assert stopped(est, check) == (r == len(rounds) - 1), r
+    # a rerun (after a stop, or the same command again) draws nothing and reaches the same verdict
+    before = oracle.sample_calls
+    _, again, why2 = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "samples2", 300, tmp_path / "ck",
+                                     {"m": "toy"}, progress=False, report=lines.append)
+    assert oracle.sample_calls == before and again == rounds and why2 == why
+
+
+def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):
+    sampling = {"N0": 100, "N_max": 200, "growth": 2.0, "temperature": 2.0, "chunk": 40}
+    _, rounds, why = sample_adaptive(LowRankOracle(), PROMPTS, sampling, ROBUST, 0, tmp_path / "s", 300, tmp_path / "ck",
+                                     {"m": "toy"}, progress=False, report=lambda line: None)
+    assert why == "N_max" and [r.N for r in rounds] == [100, 200]
+    assert not rounds[-1].saturated and rounds[-1].d_hat_raw is None and 0 <= rounds[-1].lower_bound <= 12
