@@ -1,6 +1,7 @@
 """The ``nv`` command line: ``nv attack`` runs phase 1 on a local model (``--simulate MODEL``, behind the
 provider defences of params.yaml's ``defence`` section and ``--defence KEY=VALUE``, see ``nv.oracle.defence``)
-or on a live OpenAI-compatible endpoint (``--base-url URL --model NAME``, see ``nv.live``).
+or on a live OpenAI-compatible endpoint (``--base-url URL --model NAME``, see ``nv.live``); ``nv defend`` serves
+the same defences as a reverse proxy in front of a real server (``nv.oracle.defence_proxy``).
 
 Every NVError becomes one line on stderr and exit status 2; no traceback.
 """
@@ -106,6 +107,16 @@ def attack_live(args: argparse.Namespace) -> int:
     return 0
 
 
+def defend(args: argparse.Namespace) -> int:
+    """``nv defend``: the defended reverse proxy (``nv.oracle.defence_proxy``) until interrupted."""
+    from nv.oracle.defence import Defence
+    from nv.oracle.defence_proxy import serve
+
+    params = load_params(args.params, ["defence"])
+    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), params["seed"])
+    return 0
+
+
 def _count(text: str) -> int:
     value = float(text)
     if value < 0 or value != int(value):
@@ -149,8 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="params.yaml", help="params file (sections model, search, sampling, spectrum; live with --base-url)")
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    d = sub.add_parser("defend", help="serve an OpenAI-compatible proxy on 127.0.0.1 that applies the provider defences")
+    d.add_argument("--upstream", required=True, metavar="URL", help="the server to defend, e.g. http://127.0.0.1:8080")
+    d.add_argument("--port", type=int, required=True, metavar="P", help="port of the defended endpoint on 127.0.0.1")
+    d.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
+                   help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable")
+    d.add_argument("--params", default="params.yaml", help="params file (sections defence and seed)")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
-    return run_main(lambda: attack(args))
+    return run_main(lambda: attack(args) if args.command == "attack" else defend(args))
 
 
 if __name__ == "__main__":

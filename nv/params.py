@@ -169,6 +169,15 @@ SCHEMA: dict[str, dict] = {
         "delay_exp_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
         "pad_to_tokens": _opt((int,), lambda v: v >= 1, "an int >= 1"),
     },
+    # the defences stage (nv.defences): knobs swept one at a time, each a list of defence-section values
+    "defences": {
+        "knobs": (dict, lambda v: len(v) > 0 and all(isinstance(x, list) and len(x) > 0 for x in v.values()),
+                  "a non-empty mapping of knob -> non-empty list of settings"),
+        "fastest": ((int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
+        "L_tolerance": _POS_NUM,
+        "price_temperature": _POS_NUM,
+        "price_prompts": (list, lambda v: len(v) > 0 and all(isinstance(x, str) and x for x in v), "a non-empty list of prompts"),
+    },
     # per model of the validation set (issue 13): its phase-1 budgets and its phase-2 scale
     "validation": {
         "price_usd_per_mtok": _POS_NUM,

@@ -118,17 +118,16 @@ def _conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
 def _held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
     """held_out for ``g`` on its platform plus the attacker-side P_ne_hat for both depth estimators."""
     reference = next(iter(recs))
-    row = held_out(recs[reference], recs[g["platform"]], g, timing, "d_used")
+    row = held_out(recs[reference], recs[g["platform"]], g, timing, "d_used") | {"P_ne_true": prefill.non_embedding_params(g)}
     refs = [r for r in recs[g["platform"]] if r["role"] == "reference" and r["model"] != g["model"]]
     try:
         cal = prefill.calibrate(refs)
-    except NVError as exc:
+    except NVError as exc:  # no attacker-side P_ne_hat: reported, not fatal
         return row | {"note_prefill": str(exc)}
     for name, key in ESTIMATORS.items():
         L_hat = row.get(key, np.nan)
         if np.isfinite(L_hat) and L_hat > 0:
             row[f"P_ne_hat_{name}"] = prefill.non_embedding_hat(cal, g["ell"], g["T"], g["sigma"], g["d_used"], L_hat)
-    row["P_ne_true"] = prefill.non_embedding_params(g)
     return row
 
 
@@ -159,7 +158,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                 row = _held_out_all(recs, gk, timing)
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
-                                                                 "note", "note_eq10")},
+                                                                 "note", "note_eq10", "note_prefill")},
                              "setup": setup, "trials": K, "timing_tokens": gk["tokens"], "timing_calls": _calls(gk, timing["warmups"]),
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
@@ -189,9 +188,9 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
     out["L_hat_basic"], out["L_hat_eq10"] = cases.L_hat * scale, cases.L_hat_eq10 * scale
     out["L_lo"], out["L_hi"] = out.L_hat * np.exp(-cases.q_L), out.L_hat * np.exp(cases.q_L)
     V = cases.vocab_size.astype(float)
-    tied = cases.P_ne_hat + V * d_hat + d_hat
-    out["P_hat"] = tied + 0.5 * V * d_hat
-    out["P_lo"], out["P_hi"] = cases.P_ne_hat * np.exp(-cases.q_P) + V * d_hat + d_hat, cases.P_ne_hat * np.exp(cases.q_P) + 2 * V * d_hat + d_hat
+    out["P_hat"] = prefill.param_range(cases.P_ne_hat, d_hat, V)[2]
+    out["P_lo"] = prefill.param_range(cases.P_ne_hat * np.exp(-cases.q_P), d_hat, V)[0]
+    out["P_hi"] = prefill.param_range(cases.P_ne_hat * np.exp(cases.q_P), d_hat, V)[1]
     eq3 = [(total_params(d, L, v, kv_ratio, ffn_ratio, False), total_params(d, L, v, kv, ffn, tie)) if d > 0 and L > 0 else (np.nan, np.nan)
            for d, L, v, kv, ffn, tie in zip(d_hat.fillna(0), out.L_hat.fillna(0), V, cases.kv_true, cases.ffn_true, cases.tied_true)]
     out["P_hat_paper"], out["P_hat_oracle"] = [e[0] for e in eq3], [e[1] for e in eq3]

@@ -43,6 +43,8 @@ TINY = {
     "timing_target": {"d_hat": "phase1", "p_max": 700},
     # one real second model (Qwen2.5-Coder-0.5B, d = 896), in process only; its tiny phase 1 cannot saturate either,
     # so its sweep takes the true d (an int), capped at 500 tokens like the target's
+    "defences": {"knobs": {"round_decimals": [1], "noise_sigma": [0.1], "top_k": [50], "latency_quantum_ms": [100],
+                           "delay_exp_ms": [50]}, "price_prompts": ["What is the capital of France?", "def f(x):"]},
     "validation": {"models": {"qwen-0_5b": {"spec": "qwen2.5-coder-0.5b", "N": 4000, "budgets": [4000], "trials": 2, "platforms": ["inprocess"],
                                                       "p_max": 700, "d_hat": 896}}},
 }

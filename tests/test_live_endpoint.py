@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import yaml
@@ -561,3 +562,100 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     bad.write_text("{}")
     proc = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out3", "--timing-calibration", str(bad)))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "lacks" in proc.stderr
+
+
+# -- nv defend: the defended proxy in front of the real server ---------------------------------------
+
+
+@pytest.fixture()
+def defended(server, root, tmp_path):
+    """``nv defend`` (a real subprocess) in front of the llama.cpp server, log-probs rounded to 1 decimal."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nv.cli", "defend", "--upstream", server.base_url.removesuffix("/v1"),
+                             "--port", str(port), "--params", str(root / "params.yaml"), "--defence", "round_decimals=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail(f"nv defend did not start: {proc.communicate()[1][-2000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_defended_proxy_rounds_what_the_attack_sees(baseline, defended, server, root, tmp_path):
+    """The same request straight to the server and through the proxy: the same token, its log-prob rounded to one
+    decimal. Then `nv attack --base-url` through the proxy: every log-prob it paid for (journal) is a multiple of 0.1,
+    the undefended baseline's are not, and the report carries the rounded values' verdict."""
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "⠓ꦂ🜁ᚠ∰"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 0, "temperature": 2.0, "seed": 7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    rounded = httpx.post(defended + "/v1/chat/completions", json=body, timeout=60).json()
+    a, b = plain["choices"][0]["logprobs"]["content"][0], rounded["choices"][0]["logprobs"]["content"][0]
+    assert a["token"] == b["token"] and b["logprob"] == round(a["logprob"], 1) and a["logprob"] != b["logprob"]
+
+    params = write_params(root, tmp_path)
+    proc = run_attack(attack_args(defended + "/v1", server.model_name, params, tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    def logprobs(out: Path) -> np.ndarray:
+        values = []
+        for line in (out / "journal.jsonl").read_bytes().splitlines()[1:]:
+            entry = json.loads(line)
+            values += [c[1] for c in entry.get("d", {}).get("c", []) if c[1] is not None] if "r" in entry else []
+        return np.array(values)
+    ours, theirs = logprobs(tmp_path / "out"), logprobs(baseline["out"])
+    assert len(ours) >= 4 * 8 and np.allclose(ours, np.round(ours, 1), atol=1e-9)
+    assert not np.allclose(theirs, np.round(theirs, 1), atol=1e-9)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["calls"] == baseline["report"]["calls"] and report["saturated"] is False
+
+
+def test_defend_bad_arguments_are_one_line(server, capsys):
+    for argv, message in ((["--upstream", "ftp://x", "--port", "9"], "--upstream must be an http(s) URL"),
+                          (["--upstream", server.base_url, "--port", "70000"], "--port must be in 1..65535"),
+                          (["--upstream", server.base_url, "--port", "9", "--defence", "pad_to_tokens=64"], "pad_to_tokens needs"),
+                          (["--upstream", server.base_url, "--port", "9", "--defence", "top_q=1"], "unknown --defence key 'top_q'")):
+        assert main(["defend", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_adaptive_rounds_resume_after_kill_minus_9_without_paying_twice(server, root, tmp_path):
+    """`sampling.N: auto` on the endpoint: rounds N = 4, 8, 16 (4 + 4 + 8 new calls per prompt). Killed mid-run, the
+    rerun sends only what no finished request answered, each once, and reaches the uninterrupted run's result."""
+    params = yaml.safe_load(write_params(root, tmp_path).read_text())
+    params["sampling"].update(N="auto", N0=4, N_max=16, growth=2.0)
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    requests = 2 + 4 + 4 * 16
+    with FaultProxy(server.base_url) as proxy:
+        whole = run_attack(attack_args(proxy.url, server.model_name, path, tmp_path / "whole"))
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        assert len(proxy.forwarded) == requests
+    reference = json.loads((tmp_path / "whole" / "report.json").read_text())
+    assert [r["N"] for r in reference["adaptive"]] == [4, 8, 16] and reference["N"] == 16
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    with FaultProxy(server.base_url) as proxy:
+        args = attack_args(proxy.url, server.model_name, path, out)
+        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while (not journal.exists() or len(journal_keys(journal)) < 30) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        done = set(journal_keys(journal))
+        assert 30 <= len(done) < requests and not (out / "report.json").exists()
+        proxy.wait_idle()
+        before = len(proxy.forwarded)
+        rerun = run_attack(args)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        resent = [request_key(b) for b in proxy.forwarded[before:]]
+    assert not done & set(resent) and len(resent) == len(set(resent)) == requests - len(done)
+    assert result(json.loads((out / "report.json").read_text())) == result(reference)

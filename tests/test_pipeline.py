@@ -23,11 +23,11 @@ FIGURES = [
     "spectrum_compare.png", "validation_budget.png", "unsaturated_spectrum.png", "expected_N_vs_D.png",
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
     "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png", "validation_d_vs_budget.png",
-    "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png",
+    "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png", "defences.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
           "carlini_baseline", "timing_target", "timing_fit", "overall", "validation_phase1@qwen-0_5b",
-          "validation_timing@qwen-0_5b", "validation"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
+          "validation_timing@qwen-0_5b", "validation", "defences"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -43,6 +43,25 @@ def dvc(*args: str, cwd: Path) -> str:
 
 def ran(stdout: str) -> list[str]:
     return re.findall(r"Running stage '([^']+)'", stdout)
+
+
+WATCHED = ["metrics/hidden_dim.json", "outputs/budget_sweep/sweep.csv", "outputs/validation_phase1/qwen-0_5b/report.json"]
+
+
+def watched_outputs(project: Path) -> list[str]:
+    return [(project / f).read_text() for f in WATCHED]
+
+
+def after_spectrum_change(project: Path, before: list[str]) -> set[str]:
+    """The stages a spectrum.robust change must rerun. Sampling reads it (adaptive sampling's stop rule), so phase 1
+    reruns from there (its shards come from the checkpoints), as do every model's phase-1 stage and the validation;
+    phase 2 reads phase 1's d_hat (report.json for a validation model), the overall stage the sweep and phase 2: they
+    rerun only if those changed; the defences stage reads the spectrum. Never the search, the model card, the reference timings or the sample complexity."""
+    hidden, sweep, report = (now != then for now, then in zip(watched_outputs(project), before))
+    timing = {"timing_target", "timing_fit"} if hidden else set()
+    overall = {"overall"} if hidden or sweep else set()
+    validation = {"validation_phase1@qwen-0_5b", "validation"} | ({"validation_timing@qwen-0_5b"} if report else set())
+    return {"sampling", "pruning", "spectrum", "budget_sweep", "carlini_baseline", "defences"} | timing | overall | validation
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +116,26 @@ def test_repro_runs_every_stage_and_writes_every_figure(project):
     assert "top100_mass" in card
     check_phase2(project)
     check_validation(project)
+    check_defences(project)
+
+
+def check_defences(project: Path) -> None:
+    """One row per (knob, setting) and the undefended rows, which reproduce the budget sweep's verdict at the sampling
+    N and the timing fit's L_hat of the target on the reference platform exactly."""
+    table = pd.read_csv(project / "outputs" / "defences" / "results.csv", keep_default_na=False)
+    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "paper_estimator", "cost"]
+    swept = [("round_decimals", "1"), ("noise_sigma", "0.1"), ("top_k", "50"), ("latency_quantum_ms", "100"), ("delay_exp_ms", "50")]
+    assert set(zip(table.knob, table.setting.astype(str))) == {("none", ""), *swept}
+    sweep = pd.read_csv(project / "outputs" / "budget_sweep" / "sweep.csv")
+    at_N = sweep[(sweep.N == 5000) & (sweep.method == "robust")].iloc[0]
+    undefended = table[(table.knob == "none") & (table.phase == 1)].iloc[0]
+    assert undefended.without_counter == f"not saturated (d >= {int(at_N.lower_bound)})"
+    fit = pd.read_csv(project / "outputs" / "timing_fit" / "estimates.csv")
+    L_hat = fit[(fit.role == "target") & (fit.calibration == "same platform") & (fit.d_source == "d_hat")].L_hat.iloc[0]
+    phase2 = pd.read_csv(project / "outputs" / "defences" / "phase2.csv")
+    assert phase2[(phase2.knob == "none") & (phase2.variant == "no_counter")].L_hat.iloc[0] == pytest.approx(L_hat, rel=1e-12)
+    assert table[table.knob == "top_k"].cost.iloc[0].startswith("KL ")
+    assert table[table.knob == "latency_quantum_ms"].cost.iloc[0] == "50 ms per request"
 
 
 def check_validation(project: Path) -> None:
@@ -172,21 +211,17 @@ def test_a_spectrum_parameter_reruns_only_dependent_stages(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["spectrum"]["robust"]["z_min"] = 9.0
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    watched = [project / "metrics" / "hidden_dim.json", project / "outputs" / "budget_sweep" / "sweep.csv"]
-    before = [f.read_text() for f in watched]
+    before = watched_outputs(project)
     stages = set(ran(dvc("repro", cwd=project)))
-    hidden, sweep = (f.read_text() != b for f, b in zip(watched, before))
-    # phase 2 reads phase 1's d_hat, the overall stage the sweep and phase 2: they rerun only if those changed
-    timing = {"timing_target", "timing_fit"} if hidden else set()
-    overall = {"overall"} if hidden or sweep else set()
-    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing | overall
+    assert stages == after_spectrum_change(project, before)
 
 
 def test_adding_a_reference_model_reruns_only_its_stage(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["timing_family"]["t-192x2"] = {"d": 192, "L": 2, "n_kv_heads": 1, "d_ffn": 384}
     (project / "params.yaml").write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
-    assert set(ran(dvc("repro", cwd=project))) == {"timing_reference@t-192x2", "timing_fit", "overall"}
+    assert set(ran(dvc("repro", cwd=project))) == {"timing_reference@t-192x2", "timing_fit", "overall", "validation",
+                                                     "defences"}
 
 
 def test_exp_run_on_one_phase1_parameter_reruns_only_dependent_stages(project):
@@ -196,12 +231,8 @@ def test_exp_run_on_one_phase1_parameter_reruns_only_dependent_stages(project):
     for args in (["config", "user.name", "nv-test"], ["config", "user.email", "nv-test@localhost"], ["add", "-A"],
                  ["commit", "-q", "-m", "base"]):  # dvc exp needs a commit, and commits the experiment itself
         subprocess.run(["git", *args], cwd=project, check=True, capture_output=True, timeout=300)
-    watched = [project / "metrics" / "hidden_dim.json", project / "outputs" / "budget_sweep" / "sweep.csv"]
-    before = [f.read_text() for f in watched]
+    before = watched_outputs(project)
     stages = set(ran(dvc("exp", "run", "-S", "spectrum.robust.z_min=7.5", cwd=project)))
-    hidden, sweep = (f.read_text() != b for f, b in zip(watched, before))
-    timing = {"timing_target", "timing_fit"} if hidden else set()
-    overall = {"overall"} if hidden or sweep else set()
-    assert stages == {"spectrum", "budget_sweep", "carlini_baseline"} | timing | overall
+    assert stages == after_spectrum_change(project, before)
     assert yaml.safe_load((project / "params.yaml").read_text())["spectrum"]["robust"]["z_min"] == 7.5
     assert len(dvc("exp", "list", "--name-only", cwd=project).split()) == 1

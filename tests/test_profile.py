@@ -70,7 +70,7 @@ def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(pa
     before = params.read_text()
     bad = tmp_path / "bad.yaml"
     cases = {"spectrum:\n  robust: {zmin: 9.0}\n": "unknown key 'spectrum.robust.zmin' (known: g, z_min, min_ratio)",
-             "sampling: {N: 0}\n": "'sampling.N' must be >= 1, got 0",
+             "sampling: {N: 0}\n": "'sampling.N' must be an int >= 1 or 'auto', got 0",
              "- 1\n": "must be a mapping"}
     for override, message in cases.items():
         bad.write_text(override)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from nv.plots.validation import FAIL, fail_band, log_axis
+from nv.plots.validation import fail_band, log_axis
 
 
 def error_vs_budget(table: pd.DataFrame, model: str):
@@ -22,8 +22,7 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
                 ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "o-", ms=3, color=color,
                         label=f"{what}_hat, K'={K}" if j == sub.trials.nunique() - 1 or what == "L" else None, **style)
-        fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105)
-        ax.plot([], [], label="spectrum not saturated: no d_hat", **FAIL)
+        fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105, "spectrum not saturated: no d_hat")
         ax.axhline(30, ls=":", color="0.5", lw=1)
         ax.set_ylim(0, 115)
         log_axis(ax, "total budget (tokens: phase 1 + timing)")

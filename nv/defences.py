@@ -1,0 +1,317 @@
+"""The defences stage (issue 15; README: Defences): every knob of ``nv.oracle.defence`` swept over its
+settings, the attack's outcome with and without its counter-measure, and the provider's price.
+
+Each knob is applied post hoc to what the undefended run observed, where that is exact in distribution:
+
+- log-prob rounding (``round_decimals``, ``round_format``) and ``min_logprob`` are deterministic in each call's
+  value y, and every call of a token reports the same y: they act on Y_hat's entries directly.
+- ``noise_sigma``: fresh N(0, sigma^2) per call. Averaged over the c calls that drew a token (the counter-measure,
+  what ``DefendedOracle`` serves) it is y + N(0, sigma^2 / c); without it the attacker keeps one call's value,
+  y + N(0, sigma^2).
+- truncation (``top_k``, ``top_p``, ``min_p``): a draw outside the served set S_q is never made. Of N_max untruncated
+  calls, those that fell in S_q, thinned to N (hypergeometric), are distributed exactly as N truncated calls;
+  a prompt with fewer than N draws in S_q keeps all of them (``short_rows`` counts those).
+- timing knobs act on each trial of the target's App. D record (``defend_record``): delays and quantisation as
+  ``DefendedOracle.time_request`` applies them; padding moves each trial along the target's own measured latency
+  curve to the padded length (interpolated, linear beyond the longest length). The counter-measure keeps each
+  length's fastest trials (``fastest``): a delay is never negative, so the fastest trials carry the least of it,
+  and the natural jitter dithers a quantised clock.
+- "10x": ten times the phase-1 budget is emulated for noise only (sigma / sqrt(10): ten times the calls per observed
+  token; the columns they would add are not); for timing, ten times the trials per length: every measured trial
+  counted ten times with fresh defence draws (sigma_T scaled by 1/sqrt(10)). The other log-prob knobs are
+  deterministic per value: the cell is left empty.
+
+Outcomes: phase 1 "exact" (|d_hat_raw - d| <= max(3, 0.5 % of d)), "wrong" or "not saturated" (with the lower
+bound); phase 2 "stopped" when |L_hat - L| / L exceeds ``L_tolerance``.
+"""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from nv.errors import NVError
+from nv.oracle.defence import Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs, truncation_mask
+from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.sampling import SampledMatrix
+from nv.phase2.evaluation import held_out
+from nv.phase2.protocol import LengthTimings, summarize
+
+LOGPROB_KNOBS = ("round_decimals", "round_format", "noise_sigma", "min_logprob", "top_k", "top_p", "min_p")
+TIMING_KNOBS = ("latency_quantum_ms", "delay_uniform_ms", "delay_exp_ms", "pad_to_tokens")
+TENFOLD = 10
+
+
+def settings(sweep: dict) -> list[tuple[str, object]]:
+    """(knob, value) of every swept setting, params order; ``("none", None)`` first (the undefended row)."""
+    unknown = sorted(set(sweep) - set(LOGPROB_KNOBS) - set(TIMING_KNOBS))
+    if unknown:
+        raise NVError(f"params: defences.knobs names {unknown}; known: {', '.join(LOGPROB_KNOBS + TIMING_KNOBS)}")
+    out = [("none", None)]
+    for knob, values in sweep.items():
+        for v in values:
+            Defence(**{knob: v})  # one schema: params.yaml's defence section checks every value
+            out.append((knob, v))
+    return out
+
+
+def label(value) -> str:
+    """A setting as the tables show it (the undefended row: empty)."""
+    return "" if value is None else str(value)
+
+
+def exact_tolerance(d: int) -> float:
+    """The resolution the estimators are held to: max(3, 0.5 % of d)."""
+    return max(3.0, 0.005 * d)
+
+
+def outcome(saturated: bool, d_hat_raw: int | None, d_true: int) -> str:
+    if not saturated:
+        return "not saturated"
+    return "exact" if abs(d_hat_raw - d_true) <= exact_tolerance(d_true) else "wrong"
+
+
+# -- phase 1 -------------------------------------------------------------------------------------------
+
+def served_sets(log_probs_T1: np.ndarray, temperature: float, defence: Defence) -> np.ndarray:
+    """Per prompt (rows of T = 1 log-probs or logits), the tokens the provider can sample at ``temperature``."""
+    return np.stack([np.isfinite(served_log_probs(y, temperature, defence)) for y in log_probs_T1])
+
+
+def truncated(S: SampledMatrix, served: np.ndarray, N: int, seed: int) -> tuple[SampledMatrix, int]:
+    """N truncated calls per prompt from S's untruncated draws: the draws inside each prompt's served set, thinned
+    to N (multivariate hypergeometric). Returns the matrix and the number of prompts with fewer than N such draws."""
+    rng = np.random.default_rng(seed)
+    counts, logprobs = S.counts.tocsr(), S.logprobs.tocsr()
+    rows = np.repeat(np.arange(S.D), np.diff(counts.indptr))
+    inside = served[rows, counts.indices]
+    drawn = np.where(inside, counts.data, 0)
+    short = 0
+    for q in range(S.D):
+        part = slice(counts.indptr[q], counts.indptr[q + 1])
+        if drawn[part].sum() > N:
+            drawn[part] = rng.multivariate_hypergeometric(drawn[part], N)
+        else:
+            short += int(drawn[part].sum() < N)
+    keep = drawn > 0
+    indptr = np.concatenate([[0], np.cumsum(keep)])[counts.indptr]
+    c = sp.csr_matrix((drawn[keep], counts.indices[keep], indptr), shape=counts.shape)
+    y = sp.csr_matrix((logprobs.data[keep], counts.indices[keep], indptr), shape=counts.shape)
+    return SampledMatrix(y, c, S.prompt_tokens, N, S.temperature), short
+
+
+def reported(S: SampledMatrix, defence: Defence, averaged: bool, rng: np.random.Generator, calls_scale: float = 1.0) -> SampledMatrix:
+    """Y_hat as the defended API reports it: ``min_logprob`` drops entries, then noise and rounding of the values.
+
+    Noise: y + N(0, sigma^2 / (c calls_scale)) with c the token's count when ``averaged`` (the counter-measure: the
+    mean of its c calls' values, ``nv.oracle.defence.reported_logprobs`` in distribution), else c = 1."""
+    y, c = S.logprobs.tocsr(), S.counts.tocsr()
+    if defence.min_logprob is not None:
+        keep = y.data >= defence.min_logprob
+        rows = np.repeat(np.arange(S.D), np.diff(y.indptr))[keep]
+        y = sp.csr_matrix((y.data[keep], (rows, y.indices[keep])), shape=y.shape)
+        c = sp.csr_matrix((c.data[keep], (rows, c.indices[keep])), shape=c.shape)
+    values = y.data.astype(np.float64)
+    if defence.noise_sigma:
+        per = (c.data if averaged else np.ones_like(c.data)) * calls_scale
+        values = values + defence.noise_sigma / np.sqrt(per) * rng.standard_normal(values.size)
+    values = quantise(values, defence)
+    return SampledMatrix(sp.csr_matrix((values.astype(np.float32), y.indices, y.indptr), shape=y.shape), c,
+                         S.prompt_tokens, S.N, S.temperature)
+
+
+def phase1_cell(S: SampledMatrix, spectrum: dict, d_true: int) -> dict:
+    """Both estimators on the common set of one (defended) Y_hat."""
+    cs = common_set(S)
+    row = {"D_prime": cs.Y.shape[0], "C": cs.Y.shape[1], "tokens": S.tokens(), "calls": S.calls()}
+    for method, e in estimate_both(cs.Y, spectrum).items():
+        row |= {f"{method}_outcome": outcome(e.saturated, e.d_hat_raw, d_true), f"{method}_d_hat_raw": e.d_hat_raw,
+                f"{method}_lower_bound": e.lower_bound}
+    return row
+
+
+def sweep_phase1(S: SampledMatrix, full: SampledMatrix, knobs: list[tuple[str, object]], budget: int, spectrum: dict,
+                 d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
+    """Every log-prob knob setting at ``budget`` (S: the undefended draws thinned to it; ``full``: all N_max draws, for
+    truncation), with and without its counter-measure where it has one, and at 10x the budget where emulable."""
+    rows = []
+    for knob, value in knobs:
+        if knob not in LOGPROB_KNOBS and knob != "none":
+            continue
+        defence = Defence(**({knob: value} if knob != "none" else {}))
+        base, short = (truncated(full, served_sets(log_probs_T1, S.temperature, defence), budget, seed)
+                       if defence.truncates else (S, 0))
+        variants = {"attack": (True, 1.0)}
+        if knob == "noise_sigma":
+            variants = {"no_counter": (False, 1.0), "attack": (True, 1.0), "attack_10x": (True, float(TENFOLD))}
+        for variant, (averaged, scale) in variants.items():
+            rng = np.random.default_rng([seed, len(rows)])
+            rows.append({"knob": knob, "setting": label(value), "variant": variant, "short_rows": short,
+                         **phase1_cell(reported(base, defence, averaged, rng, scale), spectrum, d_true)})
+    return pd.DataFrame(rows)
+
+
+# -- phase 2 -------------------------------------------------------------------------------------------
+
+def _latency_curve(record: dict):
+    """The target's mean measured latency as a function of prompt tokens (piecewise linear, linear beyond the ends)."""
+    ell = np.array([np.mean(r["ell"]) for r in record["rows"]])
+    t = np.array([np.mean(r["seconds"]) for r in record["rows"]])
+    order = np.argsort(ell)
+    ell, t = ell[order], t[order]
+    slope_hi = (t[-1] - t[-2]) / (ell[-1] - ell[-2])
+
+    def curve(x):
+        x = np.asarray(x, dtype=np.float64)
+        return np.where(x > ell[-1], t[-1] + slope_hi * (x - ell[-1]), np.interp(x, ell, t))
+    return curve, float(np.polyfit(ell, t, 1)[0])
+
+
+def defend_record(record: dict, defence: Defence, rng: np.random.Generator, repeat: int = 1) -> list[LengthTimings]:
+    """The target's App. D trials as the defended API reports them; ``repeat`` > 1 counts every measured trial that
+    many times, each copy with fresh defence draws (the defence's randomness at ``repeat`` x the trials; the natural
+    jitter is not re-measured)."""
+    curve, _ = _latency_curve(record)
+    rows = []
+    for r in record["rows"]:
+        ell = np.tile(np.asarray(r["ell"], dtype=np.float64), repeat)
+        seconds = np.tile(np.asarray(r["seconds"], dtype=np.float64), repeat)
+        if defence.pad_to_tokens is not None:
+            padded = np.ceil(ell / defence.pad_to_tokens) * defence.pad_to_tokens
+            seconds = seconds + curve(padded) - curve(ell)
+        if defence.delay_uniform_ms is not None:
+            seconds = seconds + rng.uniform(0.0, defence.delay_uniform_ms, seconds.size) / 1000.0
+        if defence.delay_exp_ms is not None:
+            seconds = seconds + rng.exponential(defence.delay_exp_ms, seconds.size) / 1000.0
+        if defence.latency_quantum_ms is not None:
+            q = defence.latency_quantum_ms
+            seconds = np.ceil(np.round(seconds * 1000.0 / q, 9)) * q / 1000.0
+        rows.append(LengthTimings(r["target"], ell.tolist(), seconds.tolist()))
+    return rows
+
+
+def fastest(rows: list[LengthTimings], fraction: float) -> list[LengthTimings]:
+    """The counter-measure against one-sided delays: per length, only the fastest ceil(fraction K) trials (>= 3)."""
+    out = []
+    for r in rows:
+        order = np.argsort(r.seconds, kind="stable")[: max(3, math.ceil(fraction * len(r.seconds)))]
+        out.append(LengthTimings(r.target, [r.ell[i] for i in order], [r.seconds[i] for i in order]))
+    return out
+
+
+def _summarised(record: dict, rows: list[LengthTimings], trim: float, fraction: float | None, repeat: int) -> dict:
+    """The record re-summarised (App. D) from defended trials, with the plain trimmed mean or, with ``fraction``, the
+    mean of the fastest trials. At ``repeat`` x the trials, sigma_T is that of the first copy over sqrt(repeat): the
+    copies share their natural jitter, so their own spread would overstate the precision."""
+    def stats(rs):
+        return summarize(fastest(rs, fraction), 0.0) if fraction else summarize(rs, trim)
+
+    full = stats(rows)
+    K = len(rows[0].seconds) // repeat
+    sigma = stats([LengthTimings(r.target, r.ell[:K], r.seconds[:K]) for r in rows])["sigma"] / math.sqrt(repeat)
+    return record | {"rows": [r.__dict__ for r in rows], "ell": full["ell"].tolist(), "T": full["T"].tolist(),
+                     "sigma": sigma.tolist(), "trials": len(rows[0].seconds), "tokens": int(full["tokens"])}
+
+
+def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]], timing: dict, fraction: float,
+                 L_tolerance: float, seed: int) -> pd.DataFrame:
+    """Every timing knob setting on the target's reference-platform record: L_hat (the basic estimator, §4.2) and
+    P_hat with the plain statistic (``no_counter``: App. D's trimmed mean), with the counter-measure (``attack``) and
+    with it at 10x the trials (``attack_10x``); the provider's mean added latency."""
+    platform = next(iter(records))
+    recs = records[platform]
+    target = next(r for r in recs if r["role"] == "target")
+    _, s_per_token = _latency_curve(target)
+    rows = []
+    for knob, value in knobs:
+        if knob not in TIMING_KNOBS and knob != "none":
+            continue
+        defence = Defence(**({knob: value} if knob != "none" else {}))
+        variants = {"no_counter": (1, None), "attack": (1, fraction), "attack_10x": (TENFOLD, fraction)}
+        for variant, (repeat, frac) in variants.items():
+            rng = np.random.default_rng([seed, len(rows)])
+            g = _summarised(target, defend_record(target, defence, rng, repeat), timing["trim"], frac, repeat)
+            est = held_out(recs, [*[r for r in recs if r is not target], g], g, timing, "d_used")
+            L_err = est.get("L_err", np.nan)
+            rows.append({"knob": knob, "setting": label(value), "variant": variant, "trials": g["trials"], "L_true": g["L"],
+                         "L_hat": est.get("L_hat", np.nan), "L_err": L_err, "P_hat": est.get("P_hat_registry_raw", np.nan),
+                         "P_err": est.get("P_err_registry_raw", np.nan), "note": est.get("note", ""),
+                         "outcome": "works" if abs(L_err) <= L_tolerance else "stopped",
+                         "added_ms": mean_added_latency_ms(defence, 1000.0 * s_per_token)})
+    return pd.DataFrame(rows)
+
+
+# -- the provider's side and the tables ------------------------------------------------------------------
+
+def sampling_prices(log_probs_T1: np.ndarray, temperature: float, knobs: list[tuple[str, object]]) -> pd.DataFrame:
+    """Mean KL(q || p) and TV(q, p) over ordinary prompts at the users' ``temperature`` for each sampling-side knob;
+    0 for knobs that change only what is reported (rounding, noise, threshold: the served tokens are the same)."""
+    rows = []
+    for knob, value in knobs:
+        if knob not in LOGPROB_KNOBS:
+            continue
+        defence = Defence(**{knob: value})
+        prices = [sampling_price(y, temperature, defence) for y in log_probs_T1] if defence.truncates else [{"kl": 0.0, "tv": 0.0}]
+        rows.append({"knob": knob, "setting": label(value), "kl": float(np.mean([p["kl"] for p in prices])),
+                     "tv": float(np.mean([p["tv"] for p in prices]))})
+    return pd.DataFrame(rows)
+
+
+def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator: str) -> pd.DataFrame:
+    """``outputs/defences/results.csv``: one row per (knob, setting): the phase it targets, the attack's outcome
+    without and with its counter-measure (and at 10x), and the provider's cost."""
+    rows = []
+    for (knob, setting), g in p1.groupby(["knob", "setting"], sort=False, dropna=False):
+        v = g.set_index("variant")
+        def cell(variant):
+            if variant not in v.index:
+                return ""
+            r = v.loc[variant]
+            o = r[f"{estimator}_outcome"]
+            return f"{o} ({int(r[f'{estimator}_d_hat_raw'])})" if o != "not saturated" else f"{o} (d >= {int(r[f'{estimator}_lower_bound'] or 0)})"
+        price = prices[(prices.knob == knob) & (prices.setting == setting)]
+        rows.append({"knob": knob, "setting": setting, "phase": 1, "without_counter": cell("no_counter") or cell("attack"),
+                     "with_counter": cell("attack") if "no_counter" in v.index else "", "at_10x": cell("attack_10x"),
+                     "paper_estimator": v.loc["attack", "paper_outcome"],
+                     "cost": f"KL {price.kl.iloc[0]:.3g} nats, TV {price.tv.iloc[0]:.3g}" if len(price) and price.kl.iloc[0] > 0 else "none (reported values only)"})
+    for (knob, setting), g in p2.groupby(["knob", "setting"], sort=False, dropna=False):
+        v = g.set_index("variant")
+        def cell(variant):
+            r = v.loc[variant]
+            return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * r.L_err:+.0f} %)" if np.isfinite(r.L_hat) else f"stopped (no fit: {r.note})"
+        rows.append({"knob": knob, "setting": setting, "phase": 2, "without_counter": cell("no_counter"),
+                     "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "paper_estimator": "",
+                     "cost": f"{v.loc['no_counter', 'added_ms']:.3g} ms per request"})
+    return pd.DataFrame(rows)
+
+
+def stops(row: pd.Series, column: str) -> bool | None:
+    text = row[column]
+    if not text:
+        return None
+    return not (text.startswith("exact") or text.startswith("works"))
+
+
+def weakest(table: pd.DataFrame) -> pd.DataFrame:
+    """Per knob, the weakest setting (first in params order) that stops its phase at the default budget (with the
+    attack's counter-measure where it has one) and at 10x the budget, with its cost. A phase the undefended attack
+    already fails at that budget has nothing to stop."""
+    rows = []
+    for knob, g in table[table.knob != "none"].groupby("knob", sort=False):
+        phase = int(g.phase.iloc[0])
+        undefended = table[(table.knob == "none") & (table.phase == phase)].iloc[0]
+        out = {"knob": knob, "phase": phase}
+        for label, column in (("default budget", "with_counter"), ("10x budget", "at_10x")):
+            def verdict(r):
+                return stops(r, column if r[column] else "without_counter")
+            stopping = [r for _, r in g.iterrows() if verdict(r)]
+            if label == "10x budget" and not g[column].astype(bool).any():
+                out[label] = "not emulable (deterministic per value)"
+            elif verdict(undefended):
+                out[label] = "nothing to stop: the undefended attack fails here"
+            else:
+                out[label] = f"{stopping[0].setting} ({stopping[0].cost})" if stopping else "none of the swept settings"
+        rows.append(out)
+    return pd.DataFrame(rows)

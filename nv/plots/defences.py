@@ -1,0 +1,101 @@
+"""The defences figure (issue 15; README: Defences): the attack's outcome versus each knob's strength, with and
+without the attack's counter-measure, the provider's price under each setting."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from nv.defences import exact_tolerance
+
+VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("with counter-measure", "C0", "o"),
+            "attack_10x": ("with counter-measure, 10x budget", "C2", "^")}
+OUTCOME_Y = {"exact": 0.0, "wrong": 1.0, "not saturated": 2.0}
+
+
+def _price_label(setting, price: str) -> str:
+    return f"{setting}\n{price}"
+
+
+def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame, d_true: int, estimator: str,
+                        L_tolerance: float):
+    """One panel per knob. Phase 1: |d_hat_raw - d| for saturated estimates, "not saturated" drawn as a red cross in
+    the band above the axes with the lower bound's shortfall beside it; the exactness tolerance shaded. Phase 2:
+    |L_hat - L| / L with the tolerance line; no fit is a red cross in the band. Tick labels carry the provider's
+    price of each setting."""
+    knobs = [k for k in dict.fromkeys(table.knob) if k != "none"]
+    cols = 4
+    rows = math.ceil(len(knobs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.9 * rows), squeeze=False)
+    base1 = p1[p1.knob == "none"].iloc[0]
+    base2 = p2[(p2.knob == "none") & (p2.variant == "no_counter")].iloc[0]
+    for ax, knob in zip(axes.flat, knobs):
+        phase = int(table[table.knob == knob].phase.iloc[0])
+        rows_t = table[table.knob == knob]
+        labels = ["none\n(undefended)"] + [_price_label(s, c) for s, c in zip(rows_t.setting, rows_t.cost)]
+        x = np.arange(len(labels))
+        if phase == 1:
+            top, tol = 300.0, exact_tolerance(d_true)
+            sub = p1[p1.knob == knob]
+            for j, (variant, (label, color, marker)) in enumerate(VARIANTS.items()):
+                v = sub[sub.variant == variant]
+                if v.empty:
+                    continue
+                first = base1 if variant != "attack_10x" else None
+                points = ([first] if first is not None else [None]) + [r for _, r in v.iterrows()]
+                ys, fails = [], []
+                for i, r in enumerate(points):
+                    if r is None:
+                        ys.append(np.nan)
+                        continue
+                    raw = r[f"{estimator}_d_hat_raw"]
+                    if r[f"{estimator}_outcome"] == "not saturated":
+                        ys.append(np.nan)
+                        fails.append((i, r[f"{estimator}_lower_bound"]))
+                    else:
+                        ys.append(abs(raw - d_true))
+                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, ls="-", label=label, alpha=0.85)
+                for i, lb in fails:
+                    ax.plot(i, top * 1.1, marker="X", color="red", ms=9, ls="none")
+                    ax.annotate(f"d >= {int(lb or 0)}", (i, top * 1.1), textcoords="offset points", xytext=(6, 4 - 8 * j),
+                                fontsize=6.5, color=color)
+            ax.axhspan(0, tol, color="green", alpha=0.12, label=f"exact (|error| <= {tol:g})")
+            ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
+            ax.set_ylim(-5, top * 1.2)
+            ax.set_ylabel(f"|d_hat_raw - d| ({estimator}); red X: not saturated")
+            ax.set_title(f"phase 1 vs {knob}")
+        else:
+            top = 100.0
+            sub = p2[p2.knob == knob]
+            for variant, (label, color, marker) in VARIANTS.items():
+                v = sub[sub.variant == variant]
+                b = p2[(p2.knob == "none") & (p2.variant == variant)].iloc[0]
+                errs = [b.L_err] + list(v.L_err)
+                ys = [100 * abs(e) if np.isfinite(e) else np.nan for e in errs]
+                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, label=label, alpha=0.85)
+                for i, y in enumerate(ys):
+                    if not np.isfinite(y):
+                        ax.plot(i, top * 1.1, marker="X", color="red", ms=9, ls="none")
+                    elif y > top:
+                        ax.annotate(f"{y:.0f} %", (i, top), textcoords="offset points", xytext=(3, 2), fontsize=7, color=color)
+            ax.axhline(100 * L_tolerance, color="0.4", ls=":", lw=1, label=f"attack works below {100 * L_tolerance:g} %")
+            ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
+            ax.set_ylim(-3, top * 1.2)
+            ax.set_ylabel("|L_hat - L| / L (%); red X: no fit")
+            ax.set_title(f"phase 2 vs {knob} (L = {int(base2.L_true)})")
+        ax.set_xticks(x, labels, fontsize=6.5)
+        ax.set_xlim(-0.4, len(labels) - 0.4)
+    for ax in list(axes.flat)[len(knobs):]:
+        ax.axis("off")
+    legend = {}
+    for ax in axes.flat:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(text, handle)
+    legend["not saturated (phase 1) / no fit (phase 2)"] = plt.Line2D([], [], marker="X", color="red", ms=9, ls="none")
+    fig.suptitle("What each defence does to the attack (x: setting and its price to the provider)", fontsize=12)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    return fig

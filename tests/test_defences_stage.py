@@ -1,0 +1,178 @@
+"""The defences sweep (nv.defences): each post-hoc transformation against what the defended oracle would serve, on
+synthetic inputs, and the whole phase-1 sweep on a toy LM of known rank (tests/synthetic.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+from nv.defences import (
+    defend_record,
+    fastest,
+    outcome,
+    reported,
+    results,
+    settings,
+    sweep_phase1,
+    sweep_phase2,
+    truncated,
+    weakest,
+)
+from nv.errors import NVError
+from nv.oracle.defence import Defence, quantise_latency
+from nv.oracle.multinomial import multinomial_counts
+from nv.phase1.sampling import SampledMatrix, collect, load_samples
+from nv.phase2.protocol import LengthTimings, summarize
+from synthetic import LowRankOracle
+
+SPECTRUM = {"paper": {"p": 0.54, "g": 128, "w": None, "w_s": None, "lam_sad": 3.141592653589793, "lam_peak": 1.5707963267948966},
+            "robust": {"g": 64, "z_min": 8.0, "min_ratio": 1.05}}
+
+
+def matrix(p: np.ndarray, rows: int, N: int, seed: int = 0) -> SampledMatrix:
+    """``rows`` prompts that all draw N calls from the distribution p; y = log p."""
+    rng = np.random.default_rng(seed)
+    counts = np.stack([multinomial_counts(rng, N, p) for _ in range(rows)])
+    c = sp.csr_matrix(counts)
+    y = sp.csr_matrix((np.log(p)[c.indices].astype(np.float32), c.indices, c.indptr), shape=c.shape)
+    return SampledMatrix(y, c, np.full(rows, 5), N, 1.0)
+
+
+def test_truncation_from_untruncated_draws_is_the_truncated_distribution():
+    p = np.random.default_rng(1).dirichlet(np.ones(20))
+    served = np.zeros((400, 20), dtype=bool)
+    served[:, np.argsort(-p)[:8]] = True
+    S, short = truncated(matrix(p, 400, 2_000), served, 500, seed=3)
+    c = S.counts.toarray()
+    assert short == 0 and (c.sum(axis=1) == 500).all() and not c[:, ~served[0]].any()
+    q = np.where(served[0], p, 0) / p[served[0]].sum()
+    se = np.sqrt(500 * q * (1 - q) / 400)
+    assert np.all(np.abs(c.mean(axis=0) - 500 * q) <= 5 * se + 1e-12)  # E[count] = N q_S
+    assert np.allclose(S.logprobs.data, np.log(p)[S.logprobs.indices])  # the untruncated value is reported
+
+
+def test_truncation_short_of_draws_keeps_them_all_and_says_so():
+    p = np.array([0.97, 0.01, 0.01, 0.01])
+    served = np.tile([False, True, True, True], (5, 1))
+    S, short = truncated(matrix(p, 5, 100), served, 50, seed=0)
+    assert short == 5 and (S.counts.toarray()[:, 0] == 0).all()
+
+
+def test_noise_averaged_over_calls_and_without():
+    p = np.full(50, 1 / 50)
+    S = matrix(p, 200, 5_000)
+    rng = np.random.default_rng(0)
+    sigma = 0.2
+    averaged = reported(S, Defence(noise_sigma=sigma), True, rng)
+    single = reported(S, Defence(noise_sigma=sigma), False, rng)
+    tenfold = reported(S, Defence(noise_sigma=sigma), True, rng, calls_scale=10.0)
+    truth = S.logprobs.data.astype(np.float64)
+    z = (averaged.logprobs.data - truth) * np.sqrt(S.counts.data)
+    assert abs(z.std() / sigma - 1) < 0.03
+    assert abs((single.logprobs.data - truth).std() / sigma - 1) < 0.03
+    assert abs((tenfold.logprobs.data - truth).std() * np.sqrt(10 * S.counts.data.mean()) / sigma - 1) < 0.05
+
+
+def test_rounding_and_threshold_act_on_each_value():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    S = matrix(p, 3, 1_000)
+    r = reported(S, Defence(round_decimals=1), True, np.random.default_rng(0))
+    assert np.allclose(r.logprobs.data, np.round(np.log(p)[S.logprobs.indices], 1), atol=1e-6)
+    t = reported(S, Defence(min_logprob=-1.5), True, np.random.default_rng(0))
+    assert set(t.counts.indices) == {0, 1} and t.counts.nnz == 6  # log 0.15 = -1.9 and log 0.05 = -3.0 dropped
+
+
+RECORD = {"rows": [{"target": 1, "ell": [30] * 6, "seconds": [0.05, 0.051, 0.052, 0.05, 0.049, 0.05]}] + [
+    {"target": t, "ell": [t] * 6, "seconds": [0.05 + 0.001 * t + 0.002 * k for k in range(6)]} for t in (100, 200, 300, 400)]}
+
+
+def test_timing_defences_per_trial():
+    rng = np.random.default_rng(0)
+    quant = defend_record(RECORD, Defence(latency_quantum_ms=100), rng)
+    for orig, row in zip(RECORD["rows"], quant):
+        assert all(s == quantise_latency(o, 100) for o, s in zip(orig["seconds"], row.seconds))
+    delayed = defend_record(RECORD, Defence(delay_exp_ms=50), rng, repeat=2000)
+    added = np.mean(delayed[2].seconds) - np.mean(RECORD["rows"][2]["seconds"])
+    assert abs(added - 0.050) < 0.004 and len(delayed[2].seconds) == 6 * 2000
+    padded = defend_record(RECORD, Defence(pad_to_tokens=256), rng)  # 100 and 200 share the bucket 256
+    assert np.allclose(np.mean(padded[1].seconds), np.mean(padded[2].seconds)) and padded[1].ell == [100] * 6
+    assert np.allclose(np.mean(padded[3].seconds), np.mean(padded[4].seconds))
+    assert np.mean(padded[4].seconds) > np.mean(RECORD["rows"][4]["seconds"])  # 400 -> 512: beyond the curve, linear
+
+
+def test_fastest_trials():
+    rows = defend_record(RECORD, Defence(), np.random.default_rng(0))
+    kept = fastest(rows, 0.3)
+    assert [len(r.seconds) for r in kept] == [3] * 5
+    assert kept[1].seconds == sorted(RECORD["rows"][1]["seconds"])[:3]
+
+
+def test_settings_validate_every_value():
+    assert settings({"top_k": [10, 5]}) == [("none", None), ("top_k", 10), ("top_k", 5)]
+    with pytest.raises(NVError, match="'defence.top_p' must be null or a number in"):
+        settings({"top_p": [1.5]})
+    with pytest.raises(NVError, match=r"defences.knobs names \['top_q'\]"):
+        settings({"top_q": [1]})
+
+
+def test_outcome_tolerance():
+    assert outcome(True, 579, 576) == "exact" and outcome(True, 580, 576) == "wrong" and outcome(False, None, 576) == "not saturated"
+    assert outcome(True, 1530, 1536) == "exact"  # 0.5 % of 1536 = 7.7
+
+
+def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
+    """Undefended: exact (d = 12). top_k = 8 leaves every prompt 8 tokens: not saturated, never a wrong number.
+    Noise: at sigma = 2 one call's value per token buries the signal and the mean of its calls does not; at sigma = 3
+    the mean needs ten times the calls. Measured outcomes, never a wrong number."""
+    oracle = LowRankOracle(rank=12, vocab=300)
+    prompts = [f"p{q}" for q in range(80)]
+    S = load_samples(collect(oracle, prompts, 20_000, 1.0, 0, tmp_path / "s", 300, tmp_path / "ck", {"toy": 1}, progress=False))
+    z = np.stack([oracle.W @ np.random.default_rng(list(p.encode())).normal(size=12) for p in prompts])
+    T1 = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
+    knobs = settings({"top_k": [8], "noise_sigma": [2.0, 3.0]})
+    p1 = sweep_phase1(S, S, knobs, S.N, SPECTRUM, 12, 0, T1)
+    by = {(r.knob, r.setting, r.variant): r for r in p1.itertuples()}
+    assert by[("none", "", "attack")].robust_outcome == "exact" and by[("none", "", "attack")].robust_d_hat_raw == 12
+    assert by[("top_k", "8", "attack")].robust_outcome == "not saturated" and by[("top_k", "8", "attack")].C <= 8
+    assert by[("noise_sigma", "2.0", "no_counter")].robust_outcome == "not saturated"
+    assert by[("noise_sigma", "2.0", "attack")].robust_outcome == "exact"
+    assert by[("noise_sigma", "3.0", "attack")].robust_outcome == "not saturated"
+    assert by[("noise_sigma", "3.0", "attack_10x")].robust_outcome == "exact"
+    assert (p1.robust_outcome != "wrong").all()
+    prices = pd.DataFrame([{"knob": "top_k", "setting": "8", "kl": 0.1, "tv": 0.05}] +
+                          [{"knob": "noise_sigma", "setting": s, "kl": 0.0, "tv": 0.0} for s in ("2.0", "3.0")])
+    table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, "robust")
+    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "paper_estimator", "cost"]
+    stop = weakest(table).set_index("knob")
+    assert stop.loc["top_k", "default budget"].startswith("8 (KL 0.1")
+    assert stop.loc["noise_sigma", "default budget"].startswith("3.0 (none")
+    assert stop.loc["noise_sigma", "10x budget"] == "none of the swept settings"
+
+
+def _record(name: str, role: str, d: int, L: int, rng: np.random.Generator) -> dict:
+    """A timing record on one platform whose latency follows the scaling law: 20 ms + 1e-10 L d ell^2 (+ 0.3 ms jitter)."""
+    rows = [LengthTimings(t, [max(t, 30)] * 10, list(0.02 + 1e-10 * L * d * max(t, 30) ** 2 + 3e-4 * rng.standard_normal(10)))
+            for t in (1, *range(200, 1001, 100))]
+    stats = summarize(rows, 0.1)
+    return {"model": name, "role": role, "platform": "inprocess", "d": d, "d_used": d, "L": L, "P": 1e8, "vocab_size": 1000,
+            "n_kv_heads": 1, "n_heads": 4, "d_ffn": 3 * d, "tied": False, "rows": [r.__dict__ for r in rows],
+            "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(), "trials": 10,
+            "tokens": int(stats["tokens"])}
+
+
+def test_phase2_sweep_on_records_of_a_known_law():
+    """Undefended the target's depth comes back; a clock quantised to 1 s (every latency here is below 0.6 s) leaves
+    no prefill growth to fit: stopped, whatever the counter-measure; the provider's price is what it adds."""
+    rng = np.random.default_rng(0)
+    refs = [_record(f"r{d}x{L}", "reference", d, L, rng) for d, L in ((256, 4), (256, 8), (384, 6), (512, 8))]
+    records = {"inprocess": [*refs, _record("target", "target", 448, 10, rng)]}
+    timing = {"trim": 0.1, "discard": 0, "kv_ratio": 0.25, "ffn_ratio": 3.5}
+    p2 = sweep_phase2(records, settings({"latency_quantum_ms": [1000]}), timing, 0.3, 0.25, seed=0)
+    by = {(r.knob, r.variant): r for r in p2.itertuples()}
+    assert abs(by[("none", "no_counter")].L_err) < 0.05 and by[("none", "no_counter")].outcome == "works"
+    assert by[("none", "no_counter")].added_ms == 0
+    assert all(by[("latency_quantum_ms", v)].outcome == "stopped" for v in ("no_counter", "attack", "attack_10x"))
+    assert by[("latency_quantum_ms", "no_counter")].added_ms == 500.0
+    assert by[("none", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for
