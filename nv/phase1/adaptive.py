@@ -27,9 +27,9 @@ import scipy.sparse as sp
 
 from nv.errors import NVError
 from nv.oracle.base import Oracle
-from nv.phase1.pipeline import common_set
+from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_samples
-from nv.phase1.spectrum import SpectrumEstimate, estimate
+from nv.phase1.spectrum import SpectrumEstimate
 
 
 def schedule(N0: int, N_max: int, growth: float = 2.0) -> list[int]:
@@ -126,9 +126,9 @@ def sample_adaptive(
         parts.append(load_samples(folder))
         merged = merge(parts)
         cs = common_set(merged)
-        est = estimate(cs.Y, "robust", **robust)
+        est = estimate_on(cs.Y, "robust", robust)
         check_N = max(1, int(N / math.sqrt(2)))
-        check = estimate(common_set(merged.subsample(check_N, seed)).Y, "robust", **robust) if est.saturated else est
+        check = estimate_on(common_set(merged.subsample(check_N, seed)).Y, "robust", robust) if est.saturated else est
         rounds.append(Round(r, N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
                             check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls()))
         report(rounds[-1].line())

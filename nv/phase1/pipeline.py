@@ -35,17 +35,20 @@ def common_set(sampled: SampledMatrix) -> CommonSet:
     return CommonSet(Y, pruned)
 
 
-def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
-    """Both estimators on the same matrix, hyperparameters from params.yaml's ``spectrum``.
-
-    A common set below 2 x 2 (a budget far too small) has no spectrum: robust reports not
-    saturated with lower bound 0, paper no saddle."""
+def estimate_on(Y: np.ndarray, method: str, hyper: dict) -> SpectrumEstimate:
+    """One estimator on a common-set matrix. A common set below 2 x 2 (a budget far too small) has no spectrum:
+    robust reports not saturated with lower bound 0, paper no saddle."""
     if min(Y.shape) < 2:
         none = np.empty(0)
         diag = {"lambda": none, "a": none, "s_tilde": none, "sigma": none}
-        return {"robust": SpectrumEstimate("robust", False, None, None, spectrum["robust"]["g"], 0, "not saturated", diag),
-                "paper": SpectrumEstimate("paper", False, None, None, spectrum["paper"]["g"], None, "no saddle", diag)}
-    return {m: estimate(Y, m, **spectrum[m]) for m in ("robust", "paper")}
+        return SpectrumEstimate(method, False, None, None, hyper["g"], 0 if method == "robust" else None,
+                                "not saturated" if method == "robust" else "no saddle", diag)
+    return estimate(Y, method, **hyper)
+
+
+def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
+    """Both estimators on the same matrix, hyperparameters from params.yaml's ``spectrum``."""
+    return {m: estimate_on(Y, m, spectrum[m]) for m in ("robust", "paper")}
 
 
 def _int(v) -> int | None:
