@@ -19,17 +19,20 @@ def _marker(record: dict) -> dict:
 def scaling(records: dict[str, list[dict]], discard: int):
     """Paper's scaling figure (Fig. scaling_block_b): prefill time T versus L ell^2 d, one panel per
     platform; filled points are the fitted attention regime, hollow ones the discarded short lengths;
-    the line is Eq. 2 fitted on the reference models (true d and L)."""
+    the line is Eq. 2 fitted on the reference models (true d and L). Real models (role target: the attacked model,
+    and in the validation every model of the set) are stars, each in its own colour: off the line is what their
+    family details do to the single scaling law."""
     fig, axes = plt.subplots(1, len(records), figsize=(6.2 * len(records), 4.6), squeeze=False)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
         pts = timings(refs, discard, "d")
         fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
+        target_colors = iter(["k", "crimson", "darkviolet", "darkgreen", "saddlebrown"] * 4)
         for i, r in enumerate(recs):
             x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
             order = np.argsort(r["ell"])
             label = f"{r['model']} (d={r['d']}, L={r['L']})" + (" target" if r["role"] == "target" else "")
-            color = "k" if r["role"] == "target" else f"C{i % 10}"
+            color = next(target_colors) if r["role"] == "target" else f"C{i % 10}"
             ax.scatter(x[order[discard:]], np.array(r["T"])[order[discard:]], color=color, label=label, **_marker(r))
             ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
         xs = np.linspace(0, ax.get_xlim()[1], 50)

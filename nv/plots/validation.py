@@ -1,5 +1,6 @@
 """Validation figures across models (§5.1): Fig. validation (d_hat error versus budget), Fig. err_d_L_N, the
-per-model L_hat / P_hat errors, the scaling relation with the real models marked, Fig. L_param_err_budget.
+per-model L_hat / P_hat errors, Fig. L_param_err_budget (the scaling relation with the real models marked is
+``nv.plots.phase2.scaling``).
 
 A failure must look like one: a budget without a saturated spectrum is drawn as a red cross in a "no
 estimate" band above the axes, never on the 0 % line; the robust estimator's lower bound is shown beside it.
@@ -11,9 +12,6 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 import pandas as pd
-
-from nv.phase2.evaluation import timings
-from nv.phase2.fit import fit_scaling
 
 FAIL = {"marker": "X", "color": "red", "ms": 8, "ls": "none", "zorder": 4}
 
@@ -153,27 +151,5 @@ def L_P_errors(top: pd.DataFrame):
         ax.set_ylim(-100, 150)
         ax.set_title(f"references: {setup} (whiskers: 90 % intervals; dotted: +-25 %)")
         ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    return fig
-
-
-def scaling(records: dict[str, list[dict]], discard: int):
-    """The scaling relation T ~ beta L ell^2 d + alpha (Eq. 2) fitted on F, with every real model marked."""
-    fig, axes = plt.subplots(1, len(records), figsize=(6.4 * len(records), 4.8), squeeze=False)
-    for ax, (platform, recs) in zip(axes[0], records.items()):
-        refs = [r for r in recs if r["role"] == "reference"]
-        pts = timings(refs, discard, "d")
-        fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
-        for i, r in enumerate(recs):
-            x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
-            real = r["role"] == "target"
-            ax.scatter(x, r["T"], s=60 if real else 12, marker="*" if real else "o", color=f"C{i % 10}" if real else "0.6",
-                       label=f"{r['model']} (d={r['d']}, L={r['L']})" if real else None, zorder=3 if real else 2)
-        ax.scatter([], [], s=12, color="0.6", label="reference family F (random weights)")
-        xs = np.linspace(0, ax.get_xlim()[1], 50)
-        ax.plot(xs, fit.slope * xs + fit.intercept, "k--", lw=1, label=f"Eq. 2 on F: beta = {fit.slope:.3g} s")
-        ax.set(xlabel="L ell^2 d", ylabel="prefill time T (s)", title=platform)
-        ax.legend(fontsize=7)
-    fig.suptitle("Scaling relation with the real models (true d, L): off the line = what family details do to it")
     fig.tight_layout()
     return fig
