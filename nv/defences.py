@@ -132,16 +132,16 @@ def phase1_cell(S: SampledMatrix, spectrum: dict, d_true: int) -> dict:
     return row
 
 
-def sweep_phase1(S: SampledMatrix, full: SampledMatrix, knobs: list[tuple[str, object]], budget: int, spectrum: dict,
-                 d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
-    """Every log-prob knob setting at ``budget`` (S: the undefended draws thinned to it; ``full``: all N_max draws, for
-    truncation), with and without its counter-measure where it has one, and at 10x the budget where emulable."""
+def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: dict, d_true: int, seed: int,
+                 log_probs_T1: np.ndarray | None) -> pd.DataFrame:
+    """Every log-prob knob setting on the undefended draws S at their N, with and without its counter-measure where it
+    has one, and at 10x the budget where emulable. ``log_probs_T1``: the prompts' T = 1 log-probs (truncation sets)."""
     rows = []
     for knob, value in knobs:
         if knob not in LOGPROB_KNOBS and knob != "none":
             continue
         defence = Defence(**({knob: value} if knob != "none" else {}))
-        base, short = (truncated(full, served_sets(log_probs_T1, S.temperature, defence), budget, seed)
+        base, short = (truncated(S, served_sets(log_probs_T1, S.temperature, defence), S.N, seed)
                        if defence.truncates else (S, 0))
         variants = {"attack": (True, 1.0)}
         if knob == "noise_sigma":

@@ -132,7 +132,7 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     z = np.stack([oracle.W @ np.random.default_rng(list(p.encode())).normal(size=12) for p in prompts])
     T1 = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
     knobs = settings({"top_k": [8], "noise_sigma": [2.0, 3.0]})
-    p1 = sweep_phase1(S, S, knobs, S.N, SPECTRUM, 12, 0, T1)
+    p1 = sweep_phase1(S, knobs, SPECTRUM, 12, 0, T1)
     by = {(r.knob, r.setting, r.variant): r for r in p1.itertuples()}
     assert by[("none", "", "attack")].robust_outcome == "exact" and by[("none", "", "attack")].robust_d_hat_raw == 12
     assert by[("top_k", "8", "attack")].robust_outcome == "not saturated" and by[("top_k", "8", "attack")].C <= 8

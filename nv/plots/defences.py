@@ -16,8 +16,15 @@ VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("wi
 OUTCOME_Y = {"exact": 0.0, "wrong": 1.0, "not saturated": 2.0}
 
 
-def _price_label(setting, price: str) -> str:
-    return f"{setting}\n{price}"
+def _price_label(setting, cost: str) -> str:
+    """A tick label: the setting and its price in short (the full text is in results.md)."""
+    if cost.startswith("KL"):
+        short = cost.split(",")[0]
+    elif cost.endswith("ms per request"):
+        short = f"+{float(cost.split()[0]):,.0f} ms"
+    else:
+        short = "free"
+    return f"{setting}\n{short}"
 
 
 def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame, d_true: int, estimator: str,
@@ -95,7 +102,8 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
         for handle, text in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(text, handle)
     legend["not saturated (phase 1) / no fit (phase 2)"] = plt.Line2D([], [], marker="X", color="red", ms=9, ls="none")
-    fig.suptitle("What each defence does to the attack (x: setting and its price to the provider)", fontsize=12)
+    fig.suptitle("What each defence does to the attack (x: setting, and its price to the provider: KL of the served "
+                 "distribution, added latency per request, or free for reported values only)", fontsize=12)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     return fig

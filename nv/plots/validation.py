@@ -32,6 +32,11 @@ def fail_band(ax, xs, top: float, label: str | None) -> None:
     ax.annotate("no estimate", (0.01, top * 1.04), xycoords=("axes fraction", "data"), color="red", fontsize=7, va="bottom")
 
 
+def below(ax) -> None:
+    """The legend under the axes, where it can hide no point (successes sit near 0 % at the largest budgets)."""
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+
+
 def _colors(models) -> dict:
     return {m: f"C{i}" for i, m in enumerate(dict.fromkeys(models))}
 
@@ -48,7 +53,7 @@ def d_vs_budget(phase1: pd.DataFrame):
         for model, r in rows.groupby("model", sort=False):
             r = r.sort_values("N")
             ok = r[r.saturated]
-            ax.plot(ok.N, 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.45, ms=4,
+            ax.plot(ok.N, 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.7, ms=6,
                     label=f"{model} (d = {int(r.d_true.iloc[0])})")
             fail = r[~r.saturated]
             fail_band(ax, fail.N, top, None)
@@ -56,14 +61,14 @@ def d_vs_budget(phase1: pd.DataFrame):
                 ax.plot(fail.N, 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "v", mfc="none", color=colors[model], ms=7)
         mean = rows[rows.saturated].groupby("N").apply(lambda g: 100 * np.mean(np.abs(g.d_hat_raw - g.d_true) / g.d_true),
                                                           include_groups=False)
-        ax.plot(mean.index, mean.values, "k-", lw=2.5, label="mean |error| of the saturated models")
+        ax.plot(mean.index, mean.values, "k_-", lw=2.5, ms=14, mew=2.5, label="mean |error| of the saturated models")
         ax.plot([], [], "v", mfc="none", color="0.3", label="not saturated: lower bound (robust)")
         ax.plot([], [], label="not saturated: no estimate", **FAIL)
         ax.axhline(0, color="0.6", lw=0.8)
         log_axis(ax, "samples per prompt N")
         ax.set_ylim(-105, top + 12)
         ax.set_title(f"{method} estimator")
-        ax.legend(fontsize=7, loc="center right")
+        below(ax)
     axes[0].set_ylabel("relative error of d_hat_raw (%)")
     fig.suptitle("Hidden dimension versus budget on every model (Fig. validation)")
     fig.tight_layout()
@@ -75,14 +80,14 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
     for model, r in cases.groupby("model", sort=False):
         r = r.sort_values(x)
         ok = r[r[f"{what}_err"].notna()]
-        ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "o-", color=colors[model], alpha=0.45, ms=3, label=model)
+        ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "o-", color=colors[model], alpha=0.7, ms=5, label=model)
         fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None)
     ok = cases[cases[f"{what}_err"].notna()].sort_values(x)
     if len(ok):  # the k-th cheapest case of every model, averaged (models differ in their budgets)
         means = ok.assign(rank=ok.groupby("model").cumcount()).groupby("rank").agg(
             x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
         means = means[means.n == ok.model.nunique()]
-        ax.plot(means.x, 100 * means.e, "k-", lw=2.5, label="mean over models (k-th budget)")
+        ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget)")
 
 
 def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
@@ -98,7 +103,7 @@ def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set_ylabel(f"|relative error| of {what}_hat (%)")
         ax.set_title({"d": "hidden dimension d", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
-        ax.legend(fontsize=7)
+        below(ax)
     fig.suptitle(f"Errors versus total budget on every model ({reference_platform}, references F)")
     fig.tight_layout()
     return fig
@@ -115,7 +120,7 @@ def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: floa
             ax.set_ylim(0, 115)
             log_axis(ax, label)
             ax.set_ylabel(f"|relative error| of {what}_hat (%)")
-            ax.legend(fontsize=7)
+            below(ax)
     fig.suptitle(f"Depth and parameter-count errors versus query budget ({reference_platform}, references F)")
     fig.tight_layout()
     return fig
