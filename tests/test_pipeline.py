@@ -163,7 +163,8 @@ def check_validation(project: Path) -> None:
     same = timing[timing.calibration == "same platform"]
     # the attacker-side P_ne_hat, or the reason there is none (the tiny references' prefill curves can be too flat
     # for a positive per-parameter cost: the calibration then says so instead of giving a number)
-    assert (same.L_hat_rule > 0).all() and (same.P_ne_hat.notna() | same.note_prefill.fillna("").astype(str).str.contains("prefill calibration")).all(), same
+    explained = same.note_prefill.astype(str).str.contains("prefill calibration")
+    assert (same.L_hat_rule > 0).all() and (same.P_ne_hat.notna() | explained).all(), same
     assert summary["coverage"]["d_cases"] == 3 and summary["coverage"]["d"] == 1.0  # lower bounds below the truth
     # where the time went: one line per executed stage (per item), from papermill's record, and the total
     times = subprocess.run([str(BIN / "python"), "-m", "nv.stage", "times"], cwd=project, capture_output=True, text=True, check=True)
