@@ -283,7 +283,7 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator:
             return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * r.L_err:+.0f} %)" if np.isfinite(r.L_hat) else f"stopped (no fit: {r.note})"
         rows.append({"knob": knob, "setting": setting, "phase": 2, "without_counter": cell("no_counter"),
                      "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "paper_estimator": "",
-                     "cost": f"{v.loc['no_counter', 'added_ms']:.3g} ms per request"})
+                     "cost": f"{v.loc['no_counter', 'added_ms']:,.0f} ms per request"})
     return pd.DataFrame(rows)
 
 

@@ -21,7 +21,7 @@ def _price_label(setting, cost: str) -> str:
     if cost.startswith("KL"):
         short = cost.split(",")[0]
     elif cost.endswith("ms per request"):
-        short = f"+{float(cost.split()[0]):,.0f} ms"
+        short = f"+{cost.split()[0]} ms"
     else:
         short = "free"
     return f"{setting}\n{short}"
