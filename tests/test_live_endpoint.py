@@ -308,19 +308,24 @@ def test_faults_change_nothing_in_the_result(baseline, server, root, tmp_path):
     assert set(keys) == {request_key(b) for b in baseline["forwarded"]}  # the same questions, only retried
 
 
+def kill_after(args: list[str], journal: Path, paid: int) -> set[str]:
+    """Start `nv attack ARGS`, SIGKILL it once its journal holds ``paid`` replies; the keys it had journaled."""
+    proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while (not journal.exists() or len(journal_keys(journal)) < paid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+    return set(journal_keys(journal))
+
+
 def test_kill_minus_9_then_resume_pays_nothing_twice(baseline, server, tmp_path):
     out = tmp_path / "out"
     journal = out / "journal.jsonl"
     with FaultProxy(server.base_url) as proxy:
         args = attack_args(proxy.url, server.model_name, baseline["params"], out)
-        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while (not journal.exists() or len(journal_keys(journal)) < 20) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
-        done = set(journal_keys(journal))
+        done = kill_after(args, journal, 20)
         assert 20 <= len(done) < REQUESTS and not (out / "report.json").exists()
         proxy.wait_idle()  # the killed run's last requests are answered to nobody: paid, never completed
         before = len(proxy.forwarded)
@@ -644,13 +649,7 @@ def test_adaptive_rounds_resume_after_kill_minus_9_without_paying_twice(server, 
     journal = out / "journal.jsonl"
     with FaultProxy(server.base_url) as proxy:
         args = attack_args(proxy.url, server.model_name, path, out)
-        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while (not journal.exists() or len(journal_keys(journal)) < 30) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        done = set(journal_keys(journal))
+        done = kill_after(args, journal, 30)
         assert 30 <= len(done) < requests and not (out / "report.json").exists()
         proxy.wait_idle()
         before = len(proxy.forwarded)
