@@ -110,6 +110,15 @@ SCHEMA: dict[str, dict] = {
         "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
     },
     "sweep": {"budgets": _BUDGETS},
+    # the exactness stage (nv.phase1.exactness): the (D, N, tau) grid and the paper's (D, N) for comparison
+    "exactness": {
+        "D_values": _BUDGETS,
+        "N_values": _BUDGETS,
+        "temperatures": (list, lambda v: len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                                                            for x in v), "a non-empty list of numbers > 0"),
+        "paper_budget": (list, lambda v: len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
+                         "[D, N], two ints >= 1"),
+    },
     "live": {
         "chat": _BOOL,
         "n_per_request": _POS_INT,

@@ -30,14 +30,17 @@ TINY = {
     "sampling": {"N": 5000, "chunk": 50},
     "spectrum": {"whitebox_prompts": 60},
     "sweep": {"budgets": [2000, 5000]},
+    "exactness": {"D_values": [60, 120], "N_values": [2000, 5000], "temperatures": [2.0, 4.0]},
     "model": {"batch_size": 48},
     "sample_complexity": {"D_values": [20, 40], "d_values": [8, 16], "runs": 2, "grid_points": 4},
     "carlini_baseline": {"n_prompts": 80, "precisions": ["float32"]},
     # r = 0.1 puts the references' sweeps (54-402 tokens) above the ~50-token chat template, so their fits see
     # real growth; p_max = 700 caps the target's sweep at 500 tokens (187-500) to keep the stages short
-    "timing": {"n_lengths": 4, "discard": 1, "platforms": {
-        "inprocess": {"r": 0.1, "trials": 2, "threads": 2, "references": "all"},
-        "llamacpp": {"r": 0.1, "trials": 2, "threads": 2, "references": "all"},
+    # 5 trials trimmed by 20 %: each length's slowest and fastest trial are dropped, so one trial slowed by a busy
+    # CI machine cannot turn the tiny sweep's ell^2 slope negative (seen once with 2 untrimmed trials: gamma = -2e-10)
+    "timing": {"n_lengths": 4, "discard": 1, "trim": 0.2, "platforms": {
+        "inprocess": {"r": 0.1, "trials": 5, "threads": 2, "references": "all"},
+        "llamacpp": {"r": 0.1, "trials": 5, "threads": 2, "references": "all"},
     }},
     # phase 2 takes phase 1's d_hat, as the shipped params do (tiny phase 1 does not saturate: tests/test_pipeline.py)
     "timing_target": {"d_hat": "phase1", "p_max": 700},
@@ -45,7 +48,7 @@ TINY = {
     # so its sweep takes the true d (an int), capped at 500 tokens like the target's
     "defences": {"knobs": {"round_decimals": [1], "noise_sigma": [0.1], "top_k": [50], "latency_quantum_ms": [100],
                            "delay_exp_ms": [50]}, "price_prompts": ["What is the capital of France?", "def f(x):"]},
-    "validation": {"models": {"qwen-0_5b": {"spec": "qwen2.5-coder-0.5b", "N": 4000, "budgets": [4000], "trials": 2, "platforms": ["inprocess"],
+    "validation": {"models": {"qwen-0_5b": {"spec": "qwen2.5-coder-0.5b", "N": 4000, "budgets": [4000], "trials": 5, "platforms": ["inprocess"],
                                                       "p_max": 700, "d_hat": 896}}},
 }
 TINY_FAMILY = {

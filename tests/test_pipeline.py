@@ -24,10 +24,11 @@ FIGURES = [
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
     "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png", "validation_d_vs_budget.png",
     "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png", "defences.png",
+    "exactness_grid.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
           "carlini_baseline", "timing_target", "timing_fit", "overall", "validation_phase1@qwen-0_5b",
-          "validation_timing@qwen-0_5b", "validation", "defences"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
+          "validation_timing@qwen-0_5b", "validation", "defences", "exactness"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -56,12 +57,12 @@ def after_spectrum_change(project: Path, before: list[str]) -> set[str]:
     """The stages a spectrum.robust change must rerun. Sampling reads it (adaptive sampling's stop rule), so phase 1
     reruns from there (its shards come from the checkpoints), as do every model's phase-1 stage and the validation;
     phase 2 reads phase 1's d_hat (report.json for a validation model), the overall stage the sweep and phase 2: they
-    rerun only if those changed; the defences stage reads the spectrum. Never the search, the model card, the reference timings or the sample complexity."""
+    rerun only if those changed; the defences and exactness stages read the spectrum. Never the search, the model card, the reference timings or the sample complexity."""
     hidden, sweep, report = (now != then for now, then in zip(watched_outputs(project), before))
     timing = {"timing_target", "timing_fit"} if hidden else set()
     overall = {"overall"} if hidden or sweep else set()
     validation = {"validation_phase1@qwen-0_5b", "validation"} | ({"validation_timing@qwen-0_5b"} if report else set())
-    return {"sampling", "pruning", "spectrum", "budget_sweep", "carlini_baseline", "defences"} | timing | overall | validation
+    return {"sampling", "pruning", "spectrum", "budget_sweep", "carlini_baseline", "defences", "exactness"} | timing | overall | validation
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,7 @@ def test_repro_runs_every_stage_and_writes_every_figure(project):
     assert "top100_mass" in card
     check_phase2(project)
     check_validation(project)
+    check_exactness(project)
     check_defences(project)
 
 
@@ -156,7 +158,7 @@ def check_validation(project: Path) -> None:
     qwen = json.loads((project / "outputs" / "validation_phase1" / "qwen-0_5b" / "report.json").read_text())
     assert (qwen["d_true"], qwen["D"], qwen["N"], qwen["saturated"]) == (896, 120, 4000, False)
     record = json.loads((project / "outputs" / "validation_timing" / "qwen-0_5b" / "inprocess.json").read_text())
-    assert (record["d_used"], record["L"], record["trials"], record["lengths"]) == (896, 24, 2, [291, 361, 430, 500])
+    assert (record["d_used"], record["L"], record["trials"], record["lengths"]) == (896, 24, 5, [291, 361, 430, 500])
     assert not (project / "outputs" / "validation_timing" / "qwen-0_5b" / "llamacpp.json").exists()
     timing = pd.read_csv(project / "outputs" / "validation" / "timing.csv")
     assert set(timing.model) == {"embedded", "qwen2.5-coder-0.5b"} and set(timing.setup) == {"F", "all"}
@@ -173,8 +175,23 @@ def check_validation(project: Path) -> None:
     assert any(line.startswith("validation_timing@qwen-0_5b ") for line in lines)
 
 
+def check_exactness(project: Path) -> None:
+    """The (D, N, tau) grid at tiny settings: the embedded model at both temperatures over the full grid, the
+    validation model on its own draws (N = 4000: the 5000 column is left out); nothing exact at these budgets, so
+    tokens-to-exact is empty and the robust estimator's lower bounds stay below the truth."""
+    table = pd.read_csv(project / "outputs" / "exactness" / "grid.csv")
+    cells = table.groupby(["model", "temperature"]).size().to_dict()
+    assert cells == {("embedded", 2.0): 8, ("embedded", 4.0): 8, ("qwen2.5-coder-0.5b", 2.0): 4}, cells
+    robust = table[table.method == "robust"]
+    assert (robust.outcome == "not saturated").all() and (robust.lower_bound < robust.d_true).all()
+    assert (table.calls == table.D * table.N).all() and (table.tokens > table.calls).all()
+    efficiency = json.loads((project / "metrics" / "efficiency.json").read_text())["tokens_to_exact"]
+    assert len(efficiency) == 3 * 2 and all(r["tokens"] is None for r in efficiency)
+    assert all(0 <= r["best_lower_bound"] < r["d_true"] for r in efficiency if r["method"] == "robust")
+
+
 def check_phase2(project: Path) -> None:
-    """Phase 2's real values at tiny settings (2 trials, 5 lengths, three 2-6-layer references of width 256-320).
+    """Phase 2's real values at tiny settings (5 trials trimmed to 3, 5 lengths, three 2-6-layer references of width 256-320).
 
     Measured here (three runs): same platform L_hat 40-62 (basic) and 27-39 (Eq. 10) for the true 30; across
     platforms the tiny references' llama.cpp timings are mostly per-call overhead (k ~ 1.0-1.6 while the target runs
@@ -194,7 +211,7 @@ def check_phase2(project: Path) -> None:
     assert set(rows) == {("same platform", "d_hat"), ("same platform", "true d"),
                          ("inprocess -> llamacpp", "d_hat"), ("inprocess -> llamacpp", "true d")}
     for (calibration, source), row in rows.items():
-        assert row["L_true"] == 30 and row["trials"] == 2 and row["d_used"] == 576 and len(row["lengths"]) == 5
+        assert row["L_true"] == 30 and row["trials"] == 5 and row["d_used"] == 576 and len(row["lengths"]) == 5
         assert row["note"] == "" and row["note_eq10"] is None, row  # every fit gave a positive depth
         assert row["beta"] > 0 and row["k"] > 0 and row["gamma_g"] > 0 and row["L_hat"] > 0 and row["L_hat_eq10"] > 0
         assert row["L_err"] == pytest.approx(abs(row["L_hat"] - 30) / 30) and row["P_true"] == 134_515_008

@@ -1,0 +1,83 @@
+"""Where phase 1 becomes exact (issue 14): each estimator's outcome over a grid of prompts D, samples per prompt N
+and sampling temperature tau, and the cheapest exact cell, in §5's token cost.
+
+Every cell of one (model, tau) sample is nested in both D and N: the first D prompts and, of each, the first N of
+its stored calls (hypergeometric thinning, ``SampledMatrix.subsample``), as the budget sweep (§5.1) is nested in N.
+The true d (white-box) only labels the outcome; the estimators never see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.sampling import SampledMatrix
+from nv.phase1.spectrum import SpectrumEstimate
+from nv.phase1.sweep import d_interval
+
+OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
+
+
+def outcome(e: SpectrumEstimate, d_true: int) -> str:
+    """exact: d_hat_raw within the budget sweep's tolerance of d (``d_interval``); not saturated: the robust
+    estimator's lower bound, at most d; no estimate: the paper estimator found no saddle or peak; wrong: any other."""
+    lo, hi = d_interval(e.d_hat_raw, e.lower_bound)
+    if e.d_hat_raw is not None:
+        return "exact" if lo <= d_true <= hi else "wrong"
+    if e.method == "robust":
+        return "not saturated" if lo <= d_true else "wrong"
+    return "no estimate"
+
+
+def first(S: SampledMatrix, D: int) -> SampledMatrix:
+    """The first D prompts of S (nested in D, as ``SampledMatrix.subsample`` is in N)."""
+    return SampledMatrix(S.logprobs[:D], S.counts[:D], S.prompt_tokens[:D], S.N, S.temperature)
+
+
+def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int, d_true: int,
+         model: str, progress: bool = True) -> pd.DataFrame:
+    """One row per (N, D, estimator) of the sample ``S`` (at its temperature): the common set, the estimate, its
+    outcome and the cell's cost. Values above S's own D or N are left out."""
+    D_values = sorted(v for v in D_values if v <= S.D)
+    N_values = sorted(v for v in N_values if v <= S.N)
+    rows = []
+    bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {S.temperature:g}",
+               unit="cell", disable=not progress)
+    for N in N_values:
+        thinned = S.subsample(N, seed)
+        for D in D_values:
+            cell = first(thinned, D)
+            cs = common_set(cell)
+            for method, e in estimate_both(cs.Y, spectrum).items():
+                rows.append({"model": model, "temperature": S.temperature, "D": D, "N": N, "tokens": cell.tokens(),
+                             "calls": cell.calls(), "D_prime": cs.Y.shape[0], "C": cs.Y.shape[1], "method": method,
+                             "d_hat_raw": e.d_hat_raw, "lower_bound": e.lower_bound, "reason": e.reason,
+                             "outcome": outcome(e, d_true), "d_true": d_true})
+            bar.update()
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method", "temperature")) -> pd.DataFrame:
+    """Tokens to exact: per group the cheapest exact cell, and whether every dearer cell of the group at or above
+    both its D and N is exact too (``stays_exact``: the cheapest point is not a lucky draw). A group with no exact
+    cell has NaN cost and its best lower bound."""
+    rows = []
+    for key, g in table.groupby(list(by), sort=True):
+        exact = g[g.outcome == "exact"].sort_values(["tokens", "N"])
+        row = dict(zip(by, key)) | {"d_true": int(g.d_true.iloc[0])}
+        if exact.empty:
+            row |= {"tokens": np.nan, "calls": np.nan, "D": np.nan, "N": np.nan, "stays_exact": None,
+                    "best_lower_bound": g.lower_bound.max(), "max_tokens_tried": g.tokens.max()}
+        else:
+            best = exact.iloc[0]
+            above = g[(g.D >= best.D) & (g.N >= best.N)]
+            row |= {"tokens": best.tokens, "calls": best.calls, "D": best.D, "N": best.N,
+                    "stays_exact": bool((above.outcome == "exact").all()), "best_lower_bound": None,
+                    "max_tokens_tried": g.tokens.max()}
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,63 @@
+"""Figure of where phase 1 becomes exact (issue 14; ``nv.phase1.exactness``): the (D, N) grid per model and tau."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from nv.phase1.exactness import cheapest_exact
+
+OUTCOME_COLORS = {"exact": "tab:green", "not saturated": "tab:orange", "no estimate": "0.65", "wrong": "tab:red"}
+
+
+def grid(table, paper_budget: tuple[int, int] | None = None):
+    """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust) and a circle (paper
+    estimator) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
+    ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
+    length)."""
+    panels = list(table.groupby(["model", "temperature"], sort=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 5.0), squeeze=False)
+    best = cheapest_exact(table).set_index(["model", "temperature", "method"])
+    shift = {"robust": (0.84, "s"), "paper": (1.19, "o")}
+    for ax, ((model, tau), g) in zip(axes[0], panels):
+        per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
+        for method, (x, marker) in shift.items():
+            rows = g[g.method == method]
+            ax.scatter(rows.N * x, rows.D, c=[OUTCOME_COLORS[o] for o in rows.outcome], marker=marker, s=70,
+                       edgecolors="k", linewidths=0.5, zorder=3)
+            for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
+                said = f"{r.d_hat_raw:.0f}" if np.isfinite(r.d_hat_raw) else (
+                    f">={r.lower_bound:.0f}" if method == "robust" else "")
+                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11), ha="center", fontsize=6)
+            b = best.loc[(model, tau, method)]
+            if np.isfinite(b.tokens):
+                ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
+                ax.annotate(f"{method}: {b.tokens:.2g} tokens", (b.N * x, b.D), textcoords="offset points",
+                            xytext=(0, 12 if method == "robust" else -18), ha="center", fontsize=7)
+        N_lo, N_hi = g.N.min() / 2, g.N.max() * 2
+        D_lo, D_hi = g.D.min() / 1.6, g.D.max() * 1.6
+        if paper_budget:
+            D_p, N_p = paper_budget
+            ax.scatter(N_p, D_p, marker="*", s=220, color="k", zorder=4)
+            ax.annotate(f"paper: {D_p * N_p * per_call:.2g} tokens", (N_p, D_p), textcoords="offset points", xytext=(0, -16),
+                        ha="center", fontsize=7)
+            N_hi, D_hi = max(N_hi, N_p * 2), max(D_hi, D_p * 1.6)
+        N_line = np.geomspace(N_lo, N_hi, 50)
+        for exponent in range(int(np.floor(np.log10(D_lo * N_lo * per_call))),
+                              int(np.ceil(np.log10(D_hi * N_hi * per_call))) + 1):
+            ax.plot(N_line, 10.0**exponent / (per_call * N_line), ls="--", color="0.75", lw=0.8, zorder=1)
+            N_label = 10.0**exponent / (per_call * D_hi / 1.25)
+            if N_lo < N_label < N_hi:
+                ax.text(N_label, D_hi / 1.25, f"1e{exponent}", fontsize=7, color="0.5", ha="center", va="center",
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+        ax.set(xscale="log", yscale="log", xlim=(N_lo, N_hi), ylim=(D_lo, D_hi), xlabel="samples per prompt N",
+               ylabel="prompts D", title=f"{model}, tau = {tau:g}, true d = {int(g.d_true.iloc[0])}")
+    handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k", label=o) for o, c in OUTCOME_COLORS.items()]
+    handles += [plt.Line2D([], [], ls="", marker="s", mfc="w", mec="k", label="robust (left)"),
+                plt.Line2D([], [], ls="", marker="o", mfc="w", mec="k", label="paper (right)"),
+                plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
+                plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
+    fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.04))
+    fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), nested draws")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig

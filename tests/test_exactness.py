@@ -1,0 +1,73 @@
+"""Where phase 1 becomes exact (nv.phase1.exactness, nv.plots.exactness) on the synthetic toy LM of known rank
+(tests/synthetic.py): the grid is nested in D and N, the outcome labels follow the estimates, and the cheapest
+exact cell is the cheapest of the exact ones. The stage itself runs in tests/test_pipeline.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from nv.phase1.exactness import cheapest_exact, first, grid, outcome
+from nv.phase1.pipeline import common_set, estimate_on
+from nv.phase1.sampling import collect, load_samples
+from nv.phase1.spectrum import SpectrumEstimate
+from nv.plots import save
+from nv.plots.exactness import grid as grid_figure
+from synthetic import LowRankOracle
+
+SPECTRUM = {"robust": {"g": 8, "z_min": 8.0, "min_ratio": 1.05},
+            "paper": {"p": 0.54, "g": 8, "w": None, "w_s": None, "lam_sad": np.pi, "lam_peak": np.pi / 2}}
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("toy")
+    oracle = LowRankOracle()
+    folder = collect(oracle, [f"prompt {q}" for q in range(80)], 16_000, 2.0, 0, tmp / "s", 300, tmp / "ck", {"m": "toy"}, 40,
+                     False)
+    return oracle, load_samples(folder)
+
+
+def test_outcome_labels():
+    def est(method, raw, lb):
+        return SpectrumEstimate(method, raw is not None, raw, raw, 8, lb, "ok" if raw else "not saturated")
+
+    assert outcome(est("robust", 576, None), 576) == "exact"
+    assert outcome(est("robust", 578, None), 576) == "exact"  # within max(3, 0.5 %)
+    assert outcome(est("robust", 600, None), 576) == "wrong"
+    assert outcome(est("robust", None, 500), 576) == "not saturated"
+    assert outcome(est("robust", None, 600), 576) == "wrong"  # a lower bound above the truth is a wrong answer
+    assert outcome(est("paper", None, None), 576) == "no estimate"
+
+
+def test_grid_is_nested_and_finds_the_rank(toy):
+    oracle, S = toy
+    table = grid(S, [20, 80, 500], [100, 16_000, 10**6], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    assert set(table.D) == {20, 80} and set(table.N) == {100, 16_000}  # values above the sample's own are left out
+    assert len(table) == 2 * 2 * 2 and set(table.method) == {"robust", "paper"}
+    big = table[(table.D == 80) & (table.N == 16_000)].set_index("method")
+    assert big.loc["robust", "d_hat_raw"] == oracle.rank and big.loc["robust", "outcome"] == "exact"
+    assert big.loc["robust", "tokens"] == S.tokens() and big.loc["robust", "calls"] == 80 * 16_000
+    # a cell is the first D prompts of the first N calls: the same common set as building it by hand
+    cell = table[(table.D == 20) & (table.N == 100)].set_index("method").loc["robust"]
+    cs = common_set(first(S.subsample(100, 0), 20))
+    assert (cell.D_prime, cell.C) == cs.Y.shape and cell.lower_bound == estimate_on(cs.Y, "robust", SPECTRUM["robust"]).lower_bound
+    assert cell.tokens == (5 + 1) * 20 * 100
+    assert set(table.outcome) <= {"exact", "not saturated", "no estimate", "wrong"}
+
+
+def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
+    oracle, S = toy
+    table = grid(S, [10, 40, 80], [60, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    best = cheapest_exact(table).set_index("method")
+    robust = table[table.method == "robust"]
+    exact = robust[robust.outcome == "exact"]
+    assert not exact.empty and best.loc["robust", "tokens"] == exact.tokens.min()
+    assert (robust[robust.N == 60].outcome != "exact").all()  # 60 draws of 300 tokens share no common set of 12
+    assert isinstance(best.loc["robust", "stays_exact"], bool)
+    # a group with no exact cell: no cost, its best lower bound instead
+    none = cheapest_exact(table[table.N == 60]).set_index("method")
+    assert np.isnan(none.loc["robust", "tokens"]) and none.loc["robust", "best_lower_bound"] == robust[robust.N == 60].lower_bound.max()
+    path = save(grid_figure(pd.concat([table, table.assign(temperature=4.0)]), (20_000, 10**6)), tmp_path / "grid.png")
+    assert path.stat().st_size > 20_000
