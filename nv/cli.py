@@ -82,9 +82,11 @@ def attack_live(args: argparse.Namespace) -> int:
         raise NVError("--base-url needs --model NAME (the model id the endpoint serves)")
     if args.budget_money is not None and args.price_per_mtok is None:
         raise NVError("--budget-money needs --price-per-mtok (the price of a million billed tokens)")
-    params = load_params(args.params, PHASE1_SECTIONS + ["live"])
+    if args.pilot and not args.dry_run:
+        raise NVError("--pilot goes with --dry-run (it plans a run, it does not start one)")
+    params = load_params(args.params, PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
-    plan = live.plan(params, budget)
+    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
     if args.dry_run:
         print(live.format_plan(plan, params, args.model, args.base_url))
         live.check_budget(plan, budget)
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--budget-money", type=_amount, metavar="X", help="cap on money (needs --price-per-mtok)")
     live.add_argument("--price-per-mtok", type=_amount, metavar="X", help="price of one million billed tokens")
     live.add_argument("--dry-run", action="store_true", help="print the planned calls and tokens, send nothing")
+    live.add_argument("--pilot", metavar="DIR", help="with --dry-run: the samples/ folder of a small earlier run on the same "
+                      "endpoint (e.g. search.D = 300, sampling.N = 10000); plans N from its fitted tail (nv.phase1.planner)")
     phase2 = p.add_argument_group("phase 2, timing (with --base-url)")
     phase2.add_argument("--timing-calibration", metavar="FILE",
                         help="outputs/timing_fit/calibration.json: after phase 1, time the endpoint and report L_hat (and P_hat)")

@@ -20,6 +20,7 @@ from nv.theory.sample_complexity import mu_uniform, required_mean
 
 DELTA = 0.05
 EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1 lines
+PLAN_SIZES = (512, 1024, 2048, 4096, 8192)  # common-set sizes the pilot's plan lines are for (typical hidden sizes)
 # live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
 REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns")
 
@@ -46,7 +47,18 @@ def guaranteed_common_size(N: int, D: int, V: int, delta: float = DELTA) -> int:
     return d
 
 
-def plan(params: dict, budget: Budget) -> dict:
+def _cost(params: dict, budget: Budget, N: int) -> dict:
+    """Calls, requests, §5 tokens, billed tokens and money of the search plus D x N samples (see ``plan``)."""
+    search, live = params["search"], params["live"]
+    ell, n = live["prompt_tokens"], live["n_per_request"]
+    search_calls = search["rounds"] * search["batch_size"]
+    sample_calls, sample_requests = search["D"] * N, search["D"] * math.ceil(N / n)
+    billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
+    return {"N": N, "sampling_calls": sample_calls, "requests": 2 + search_calls + sample_requests,
+            "tokens_paper": (ell + 1) * (search_calls + sample_calls), "tokens_billed": billed, "money": budget.money_of(billed)}
+
+
+def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
 
     Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
@@ -55,30 +67,32 @@ def plan(params: dict, budget: Budget) -> dict:
     request as ``live.n_per_request`` asks (if the server turns out not to honour n, the budget cap
     still stops the run in time). Theory: Theorem 1's guaranteed common-set size for the planned D
     and N if next tokens were uniform over an effective vocabulary of |V'| tokens, for a few |V'|
-    (high-entropy prompts spread over a sub-vocabulary; Corollary 1 makes that precise).
+    (high-entropy prompts spread over a sub-vocabulary; Corollary 1 makes that precise). With ``pilot`` (the
+    samples folder of an earlier, small run on the same endpoint): the N, and its cost, at which the planner
+    (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens.
     """
     search, sampling, live = params["search"], params["sampling"], params["live"]
-    ell, n = live["prompt_tokens"], live["n_per_request"]
-    search_calls = search["rounds"] * search["batch_size"]
     adaptive = sampling["N"] == "auto"
     rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
-
-    def cost(N: int) -> dict:
-        sample_calls, sample_requests = search["D"] * N, search["D"] * math.ceil(N / n)
-        billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
-        return {"N": N, "sampling_calls": sample_calls, "requests": 2 + search_calls + sample_requests,
-                "tokens_paper": (ell + 1) * (search_calls + sample_calls), "tokens_billed": billed, "money": budget.money_of(billed)}
-
     N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
-    return {
+    out = {
         "D": search["D"],
-        **cost(N),
+        **_cost(params, budget, N),
         "adaptive": adaptive,
-        "rounds": [cost(r) for r in rounds],
-        "search_calls": search_calls,
-        "prompt_tokens_per_call": ell,
+        "rounds": [_cost(params, budget, r) for r in rounds],
+        "search_calls": search["rounds"] * search["batch_size"],
+        "prompt_tokens_per_call": live["prompt_tokens"],
         "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
     }
+    if pilot is not None:
+        from nv.phase1.planner import fit
+        from nv.phase1.sampling import load_samples
+
+        tail = fit(load_samples(pilot), params["planner"]["min_seen"])
+        needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
+        out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0,
+                        "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n)) for size, n in needed.items()}}
+    return out
 
 
 def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
@@ -97,7 +111,22 @@ def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
+        + _format_pilot(p, money_given=p["money"] is not None)
     )
+
+
+def _format_pilot(p: dict, money_given: bool) -> str:
+    if "pilot" not in p:
+        return ""
+    pilot = p["pilot"]
+    lines = [f"\n  planner (pilot)   from {pilot['D0']:,} prompts x {pilot['N0']:,} calls in {pilot['folder']}: the N at which "
+             f"all D = {p['D']:,} prompts are expected to share |C| tokens (Theorem 1's mean, fitted tail)"]
+    for size, c in pilot["common_set"].items():
+        cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:.3g} tokens (§5), "
+                                                    f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else ""))
+        lines.append(f"                    |C| = {size:,}: {cost}")
+    lines.append("                    (the robust estimator needs |C| > d, and more on a noisy spectrum: README, planner)")
+    return "\n".join(lines)
 
 
 def check_budget(p: dict, budget: Budget) -> None:

@@ -133,6 +133,8 @@ SCHEMA: dict[str, dict] = {
         "backoff": _POS_NUM,
         "timeout": _POS_NUM,
     },
+    # the budget planner (nv.phase1.planner): the pilot inside each model's sample, and the tail fit
+    "planner": {"pilot_prompts": _POS_INT, "pilot_N": _POS_INT, "min_seen": _POS_INT},
     "sample_complexity": {
         "D_values": _BUDGETS,
         "d_values": _BUDGETS,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import yaml
 
 from conftest import write_tiny_params
+from nv.phase1.planner import fit
+from nv.phase1.sampling import load_samples
 
 NV = [sys.executable, "-m", "nv.cli"]
 
@@ -27,6 +30,22 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     assert report["common_set_size"] < 576
     assert (out / "spectrum.png").stat().st_size > 10_000
     assert json.loads(proc.stdout.strip().splitlines()[-1])["saturated"] is False
+    # this run's draws as the pilot of a planned attack (the dry run sends nothing: the endpoint need not exist)
+    planned = ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--params", str(params), "--dry-run"]
+    dry = subprocess.run(NV + planned + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    pilot = json.loads(dry.stdout.strip().splitlines()[-1])["pilot"]
+    assert (pilot["D0"], pilot["N0"]) == (120, 5000) and "planner (pilot)" in dry.stdout
+    tail = fit(load_samples(out / "samples"), 3)
+    for size, cost in pilot["common_set"].items():
+        N = tail.samples_for(int(size), 120, N_max=1e8)  # the plan is for the params' D = 120 prompts
+        assert (cost is None) == (N is None) and (cost is None or cost["N"] == math.ceil(N)), (size, cost, N)
+    Ns = [c["N"] for c in pilot["common_set"].values() if c]
+    assert Ns and Ns == sorted(Ns) and Ns[0] > 5000  # the pilot's own 5000 calls share fewer than 512 tokens
+    alone = subprocess.run(NV + planned[:-1] + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 2 and alone.stderr.strip() == "error: --pilot goes with --dry-run (it plans a run, it does not start one)"
+    missing = subprocess.run(NV + planned + ["--pilot", str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "no sampling manifest in" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, tmp_path):

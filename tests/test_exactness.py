@@ -69,5 +69,7 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     # a group with no exact cell: no cost, its best lower bound instead
     none = cheapest_exact(table[table.N == 60]).set_index("method")
     assert np.isnan(none.loc["robust", "tokens"]) and none.loc["robust", "best_lower_bound"] == robust[robust.N == 60].lower_bound.max()
-    path = save(grid_figure(pd.concat([table, table.assign(temperature=4.0)]), (20_000, 10**6)), tmp_path / "grid.png")
+    # a panel where no cell has an estimate (an all-None column, as a stage's grid at a hopeless temperature)
+    hopeless = grid(S, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
+    path = save(grid_figure(pd.concat([table, hopeless]), (20_000, 10**6)), tmp_path / "grid.png")
     assert path.stat().st_size > 20_000

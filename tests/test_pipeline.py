@@ -24,11 +24,11 @@ FIGURES = [
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
     "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png", "validation_d_vs_budget.png",
     "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png", "defences.png",
-    "exactness_grid.png",
+    "exactness_grid.png", "planner.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
           "carlini_baseline", "timing_target", "timing_fit", "overall", "validation_phase1@qwen-0_5b",
-          "validation_timing@qwen-0_5b", "validation", "defences", "exactness"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
+          "validation_timing@qwen-0_5b", "validation", "defences", "exactness", "planner"} | {f"timing_reference@{m}" for m in TINY_FAMILY}
 
 
 def dvc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -57,12 +57,12 @@ def after_spectrum_change(project: Path, before: list[str]) -> set[str]:
     """The stages a spectrum.robust change must rerun. Sampling reads it (adaptive sampling's stop rule), so phase 1
     reruns from there (its shards come from the checkpoints), as do every model's phase-1 stage and the validation;
     phase 2 reads phase 1's d_hat (report.json for a validation model), the overall stage the sweep and phase 2: they
-    rerun only if those changed; the defences and exactness stages read the spectrum. Never the search, the model card, the reference timings or the sample complexity."""
+    rerun only if those changed; the defences and exactness stages read the spectrum, the planner the sweep. Never the search, the model card, the reference timings or the sample complexity."""
     hidden, sweep, report = (now != then for now, then in zip(watched_outputs(project), before))
     timing = {"timing_target", "timing_fit"} if hidden else set()
     overall = {"overall"} if hidden or sweep else set()
     validation = {"validation_phase1@qwen-0_5b", "validation"} | ({"validation_timing@qwen-0_5b"} if report else set())
-    return {"sampling", "pruning", "spectrum", "budget_sweep", "carlini_baseline", "defences", "exactness"} | timing | overall | validation
+    return {"sampling", "pruning", "spectrum", "budget_sweep", "carlini_baseline", "defences", "exactness", "planner"} | timing | overall | validation
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,7 @@ def test_repro_runs_every_stage_and_writes_every_figure(project):
     check_phase2(project)
     check_validation(project)
     check_exactness(project)
+    check_planner(project)
     check_defences(project)
 
 
@@ -188,6 +189,19 @@ def check_exactness(project: Path) -> None:
     efficiency = json.loads((project / "metrics" / "efficiency.json").read_text())["tokens_to_exact"]
     assert len(efficiency) == 3 * 2 and all(r["tokens"] is None for r in efficiency)
     assert all(0 <= r["best_lower_bound"] < r["d_true"] for r in efficiency if r["method"] == "robust")
+
+
+def check_planner(project: Path) -> None:
+    """The planner at tiny settings, both models: a 60-prompt x 1000-call pilot inside each sample, its prediction of
+    the common set over all 120 prompts at every budget of the model's sweep. Tiny samples of a real model share few
+    tokens, so only the bookkeeping and the sign of the prediction are asserted (the accuracy is README: planner)."""
+    table = pd.read_csv(project / "outputs" / "planner" / "planner.csv")
+    assert set(zip(table.model, table.N)) == {("embedded", 2000), ("embedded", 5000), ("qwen2.5-coder-0.5b", 4000)}
+    assert (table.D == 120).all() and (table.predicted_C >= 0).all() and (table.measured_C <= table.pruned_C).all()
+    summary = json.loads((project / "metrics" / "planner.json").read_text())["models"]
+    assert {(m["model"], m["pilot_prompts"], m["pilot_N"]) for m in summary} == {("embedded", 60, 1000),
+                                                                              ("qwen2.5-coder-0.5b", 60, 1000)}
+    assert all(m["tokens_fitted"] > 0 and 0 < m["pilot_share"] < 0.5 for m in summary)
 
 
 def check_phase2(project: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
 from nv.phase1.exactness import cheapest_exact
 
@@ -16,17 +17,21 @@ def grid(table, paper_budget: tuple[int, int] | None = None):
     ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
     length)."""
     panels = list(table.groupby(["model", "temperature"], sort=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 5.0), squeeze=False)
+    ncols = 2 if len(panels) == 4 else min(len(panels), 3)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     best = cheapest_exact(table).set_index(["model", "temperature", "method"])
     shift = {"robust": (0.84, "s"), "paper": (1.19, "o")}
-    for ax, ((model, tau), g) in zip(axes[0], panels):
+    for ax, ((model, tau), g) in zip(axes.flat, panels):
         per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
         for method, (x, marker) in shift.items():
             rows = g[g.method == method]
             ax.scatter(rows.N * x, rows.D, c=[OUTCOME_COLORS[o] for o in rows.outcome], marker=marker, s=70,
                        edgecolors="k", linewidths=0.5, zorder=3)
             for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
-                said = f"{r.d_hat_raw:.0f}" if np.isfinite(r.d_hat_raw) else (
+                said = f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else (
                     f">={r.lower_bound:.0f}" if method == "robust" else "")
                 ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11), ha="center", fontsize=6)
             b = best.loc[(model, tau, method)]
@@ -57,7 +62,7 @@ def grid(table, paper_budget: tuple[int, int] | None = None):
                 plt.Line2D([], [], ls="", marker="o", mfc="w", mec="k", label="paper (right)"),
                 plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
-    fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.04))
+    fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), nested draws")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig

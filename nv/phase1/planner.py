@@ -1,0 +1,125 @@
+"""Budget planner for phase 1 (issue 14): from a cheap pilot, the expected common-set size mu(N) of the full attack
+and the N at which it reaches a target, with §4.1.2's mean formula (the first step of Theorem 1's proof)
+
+    mu(N) = sum_i prod_q (1 - (1 - p_q^(i))^N),
+
+where p_q^(i) is unknown for most (prompt, token) pairs. The pilot (D_0 prompts, N_0 calls each) returns the exact
+log-prob y_q^(i) of every token it drew. Model: across prompts, token i's log-probability is Normal(m_i, s_i^2)
+(logits are sums of many terms over a random prompt). Token i's pilot record is censored by sampling itself: prompt q
+shows y_q^(i) only if one of its N_0 draws hit v_i, which happens with probability 1 - (1 - p)^{N_0} -- a factor
+that depends on the observed p alone, not on (m_i, s_i). So the likelihood of (m_i, s_i) is
+
+    prod_{q observed} phi(y_q^(i); m_i, s_i) * I(m_i, s_i; N_0)^{D_0 - k_i},   I(m, s; N) = E_x[(1 - e^x)^N],
+
+x ~ Normal(m, s^2): the observed values' density times the probability of missing the token in the other prompts.
+It is maximised on a grid of (m, s), from the sufficient statistics k_i, sum y, sum y^2 of each token. Prompts are
+independent, so mu(N) over D prompts is sum_i (1 - I(m_i, s_i; N))^D. Tokens the pilot saw in fewer than
+``min_seen`` prompts are left out (a lower bound on mu, tight where they are too rare to matter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from nv.errors import NVError
+from nv.phase1.exactness import first
+from nv.phase1.sampling import SampledMatrix
+
+M_GRID = np.linspace(-25.0, 0.0, 251)  # m_i: mean log-probability across prompts
+S_GRID = np.geomspace(0.05, 5.0, 41)  # s_i: its spread across prompts
+_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(40)  # E over Normal(0, 1) by Gauss-Hermite quadrature
+_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
+
+
+def miss_probability(m: np.ndarray, s: np.ndarray, N: float) -> np.ndarray:
+    """I(m, s; N) = E[(1 - e^x)^N], x ~ Normal(m, s^2) truncated at 0: the chance that N draws of one prompt miss a
+    token whose log-prob is Normal(m, s^2) across prompts."""
+    x = np.minimum(np.asarray(m)[..., None] + np.asarray(s)[..., None] * _NODES, -1e-12)
+    return np.exp(N * np.log1p(-np.exp(x))) @ _WEIGHTS
+
+
+@dataclass(frozen=True)
+class TokenModel:
+    """Fitted (m_i, s_i) of every token the pilot saw in at least ``min_seen`` prompts; ``D0``, ``N0`` the pilot."""
+
+    m: np.ndarray
+    s: np.ndarray
+    seen: np.ndarray
+    D0: int
+    N0: int
+    tokens_left_out: int
+
+    def expected_common(self, N: float | np.ndarray, D: int) -> np.ndarray:
+        """mu(N) for D fresh prompts like the pilot's: sum_i (1 - I(m_i, s_i; N))^D."""
+        Ns = np.atleast_1d(np.asarray(N, dtype=np.float64))
+        mu = np.array([np.sum(np.exp(D * np.log1p(-np.minimum(miss_probability(self.m, self.s, n), 1.0 - 1e-300))))
+                       for n in Ns])
+        return mu if np.ndim(N) else float(mu[0])
+
+    def samples_for(self, target: float, D: int, N_max: float = 1e9) -> float | None:
+        """The N at which mu(N) reaches ``target`` (bisection on log N); None when even N_max does not."""
+        if self.expected_common(N_max, D) < target:
+            return None
+        f = lambda x: math.log(max(self.expected_common(math.exp(x), D), 1e-300)) - math.log(target)  # noqa: E731
+        lo = math.log(1.0)
+        if f(lo) >= 0:
+            return 1.0
+        return math.exp(optimize.brentq(f, lo, math.log(N_max), xtol=1e-3))
+
+
+def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
+    """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring)."""
+    if pilot.D < 2 * min_seen:
+        raise NVError(f"a pilot of {pilot.D} prompts is too small to fit the tail: use at least {2 * min_seen}")
+    counts = pilot.counts.tocsc()
+    logp = pilot.logprobs.tocsc()
+    k = np.diff(counts.indptr)
+    keep = np.flatnonzero(k >= min_seen)
+    if keep.size == 0:
+        raise NVError(f"no token was drawn in {min_seen} pilot prompts: raise the pilot's N")
+    y = logp.astype(np.float64)
+    sy = np.asarray(y.sum(axis=0)).ravel()[keep]
+    syy = np.asarray(y.multiply(y).sum(axis=0)).ravel()[keep]
+    kk = k[keep].astype(np.float64)
+    mm, ss = np.meshgrid(M_GRID, S_GRID, indexing="ij")
+    log_miss = np.log(np.maximum(miss_probability(mm.ravel(), ss.ravel(), pilot.N), 1e-300))  # (grid,)
+    m, s = mm.ravel(), ss.ravel()
+    # log L = -k log s - (syy - 2 m sy + k m^2) / (2 s^2) + (D0 - k) log I(m, s; N0), for every token x grid point
+    best_ll = np.full(keep.size, -np.inf)
+    best = np.zeros(keep.size, dtype=np.int64)
+    for j0 in range(0, m.size, 512):  # grid in chunks: tokens x 512 at a time
+        mj, sj, lj = m[j0:j0 + 512], s[j0:j0 + 512], log_miss[j0:j0 + 512]
+        ll = (-kk[:, None] * np.log(sj) - (syy[:, None] - 2 * mj * sy[:, None] + kk[:, None] * mj**2) / (2 * sj**2)
+              + (pilot.D - kk)[:, None] * lj)
+        arg = ll.argmax(axis=1)
+        better = ll[np.arange(keep.size), arg] > best_ll
+        best_ll[better] = ll[np.arange(keep.size), arg][better]
+        best[better] = j0 + arg[better]
+    return TokenModel(m[best], s[best], keep, pilot.D, pilot.N, int(np.count_nonzero((k > 0) & (k < min_seen))))
+
+
+def pilot_of(S: SampledMatrix, prompts: int, N: int, seed: int) -> SampledMatrix:
+    """The pilot inside a full sample: its first ``prompts`` prompts and the first N calls of each (what a pilot run
+    of that size would have drawn)."""
+    return first(S, min(prompts, S.D)).subsample(min(N, S.N), seed)
+
+
+def strict_common_size(S: SampledMatrix) -> int:
+    """|C| before pruning: tokens drawn under every prompt of S."""
+    return int(np.count_nonzero(np.diff(S.counts.tocsc().indptr) == S.D))
+
+
+def check(model: TokenModel, S: SampledMatrix, budgets: list[int], seed: int) -> list[dict]:
+    """The prediction against the full sample S at each budget N (nested draws): measured and predicted |C| over all
+    D prompts, and the N the planner would have asked for to get the measured |C| (``N_ratio`` = that / N)."""
+    rows = []
+    for N in sorted(b for b in budgets if b <= S.N):
+        measured = strict_common_size(S.subsample(N, seed))
+        N_pred = model.samples_for(measured, S.D) if measured else None
+        rows.append({"N": N, "D": S.D, "measured_C": measured, "predicted_C": model.expected_common(N, S.D),
+                     "N_predicted": N_pred, "N_ratio": None if N_pred is None else N_pred / N})
+    return rows

@@ -1,0 +1,31 @@
+"""Figure of the budget planner (issue 14; ``nv.phase1.planner``): predicted against measured common-set size."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+
+def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.ndarray]], summary: pd.DataFrame):
+    """One panel per model: the strict common set measured at each budget (dots) and the pilot's prediction (line),
+    the greedy-pruned common set (squares), the true d, the planner's N for |C| >= d and the measured stopping N."""
+    models = list(dict.fromkeys(table.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.4 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows, s = table[table.model == model], summary.set_index("model").loc[model]
+        N, mu = curves[model]
+        ax.plot(N, np.maximum(mu, 0.5), color="C0", label=f"predicted from the pilot ({s.pilot_prompts:.0f} x {s.pilot_N:,.0f})")
+        ax.plot(rows.N, np.maximum(rows.measured_C, 0.5), "o", color="C0", label="measured: tokens under every prompt")
+        ax.plot(rows.N, rows.pruned_C, "s", mfc="none", color="C2", label="measured: greedy-pruned common set")
+        ax.axhline(s.d_true, color="k", ls=":", lw=1, label=f"true d = {s.d_true:.0f}")
+        if np.isfinite(s.N_for_d):
+            ax.axvline(s.N_for_d, color="C0", ls="--", lw=1, label=f"planner: |C| >= d at N = {s.N_for_d:,.0f}")
+        if np.isfinite(s.stop_N):
+            ax.axvline(s.stop_N, color="C3", ls="-.", lw=1, label=f"robust estimator exact from N = {s.stop_N:,.0f}")
+        ax.set(xscale="log", yscale="log", ylim=(0.5, None), xlabel="samples per prompt N",
+               ylabel=f"common-set size over D = {s.D:,.0f} prompts", title=model)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
+    fig.suptitle("Budget planner: the common set of the full attack predicted from a pilot (Theorem 1's mean, fitted tail)")
+    fig.tight_layout()
+    return fig

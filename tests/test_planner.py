@@ -1,0 +1,54 @@
+"""The phase-1 budget planner (nv.phase1.planner) on the synthetic toy LM (tests/synthetic.py): its miss probability
+is the Monte-Carlo one, and a pilot of 40 prompts x 500 calls predicts the N at which 400 prompts share a given
+common set within the issue's factor 2. On the real models: the planner stage (tests/test_pipeline.py) and
+README: planner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nv.errors import NVError
+from nv.phase1.exactness import first
+from nv.phase1.planner import fit, miss_probability
+from nv.phase1.sampling import collect, load_samples
+from synthetic import LowRankOracle
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planner")
+    folder = collect(LowRankOracle(scale=0.5), [f"prompt {q}" for q in range(400)], 20_000, 2.0, 0, tmp / "s", 300, tmp / "ck",
+                     {"m": "toy"}, 100, False)
+    return load_samples(folder)
+
+
+def strict_common(S) -> int:
+    """Tokens drawn under every prompt."""
+    return int(np.count_nonzero(np.diff(S.counts.tocsc().indptr) == S.D))
+
+
+def test_miss_probability_is_the_expected_chance_of_never_drawing_the_token():
+    rng = np.random.default_rng(0)
+    for m, s, N in ((-6.0, 1.0, 300), (-9.0, 2.0, 10_000), (-3.0, 0.3, 20)):
+        x = np.minimum(rng.normal(m, s, 400_000), 0)
+        assert miss_probability(np.array([m]), np.array([s]), N)[0] == pytest.approx(np.mean((1 - np.exp(x)) ** N), abs=2e-3)
+
+
+def test_a_small_pilot_predicts_the_budget_of_the_full_attack(toy):
+    model = fit(first(toy, 40).subsample(500, 1))  # 0.25 % of the full sample's calls
+    assert model.D0 == 40 and model.N0 == 500 and model.m.size > 250
+    for N in (10_000, 20_000):
+        measured = strict_common(toy.subsample(N, 0))
+        predicted_N = model.samples_for(measured, toy.D)
+        assert N / 2 < predicted_N < 2 * N, (N, measured, predicted_N)
+        assert model.expected_common(predicted_N, toy.D) == pytest.approx(measured, rel=1e-3)
+    assert model.expected_common(5_000, 4) > model.expected_common(5_000, 400)  # more prompts share fewer tokens
+    assert model.samples_for(301, toy.D) is None  # more than the vocabulary: unreachable
+
+
+def test_a_pilot_too_small_to_fit_is_refused(toy):
+    with pytest.raises(NVError, match="too small to fit the tail"):
+        fit(first(toy, 4))
+    with pytest.raises(NVError, match="raise the pilot's N"):
+        fit(first(toy, 40).subsample(1, 0), min_seen=20)
