@@ -88,7 +88,11 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
         from nv.phase1.planner import fit
         from nv.phase1.sampling import load_samples
 
-        tail = fit(load_samples(pilot), params["planner"]["min_seen"])
+        drawn = load_samples(pilot)
+        if drawn.temperature != sampling["temperature"]:
+            raise NVError(f"the pilot in {pilot} was sampled at tau = {drawn.temperature:g}, the plan is for tau = "
+                          f"{sampling['temperature']:g}: a pilot predicts only its own temperature")
+        tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
         out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0,
                         "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n)) for size, n in needed.items()}}

@@ -46,6 +46,12 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     assert alone.returncode == 2 and alone.stderr.strip() == "error: --pilot goes with --dry-run (it plans a run, it does not start one)"
     missing = subprocess.run(NV + planned + ["--pilot", str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no sampling manifest in" in missing.stderr and "Traceback" not in missing.stderr
+    colder = yaml.safe_load(params.read_text())
+    colder["sampling"]["temperature"] = 1.0
+    (tmp_path / "colder.yaml").write_text(yaml.safe_dump(colder, allow_unicode=True, sort_keys=False))
+    other = subprocess.run(NV + planned[:-2] + [str(tmp_path / "colder.yaml"), "--dry-run", "--pilot", str(out / "samples")],
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "a pilot predicts only its own temperature" in other.stderr
 
 
 def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, tmp_path):

@@ -177,17 +177,22 @@ def check_validation(project: Path) -> None:
 
 
 def check_exactness(project: Path) -> None:
-    """The (D, N, tau) grid at tiny settings: the embedded model at both temperatures over the full grid, the
-    validation model on its own draws (N = 4000: the 5000 column is left out); nothing exact at these budgets, so
-    tokens-to-exact is empty and the robust estimator's lower bounds stay below the truth."""
+    """The (D, N, tau) grid at tiny settings: both models at both temperatures, tau = 2 on their phase-1 draws (the
+    validation model's N = 4000 leaves out the 5000 column), tau = 4 sampled by the stage; nothing is exact at these
+    budgets, so tokens-to-exact is empty and the robust estimator's lower bounds stay below the truth."""
     table = pd.read_csv(project / "outputs" / "exactness" / "grid.csv")
     cells = table.groupby(["model", "temperature"]).size().to_dict()
-    assert cells == {("embedded", 2.0): 8, ("embedded", 4.0): 8, ("qwen2.5-coder-0.5b", 2.0): 4}, cells
+    assert cells == {("embedded", 2.0): 8, ("embedded", 4.0): 8, ("qwen2.5-coder-0.5b", 2.0): 4,
+                     ("qwen2.5-coder-0.5b", 4.0): 8}, cells
     robust = table[table.method == "robust"]
     assert (robust.outcome == "not saturated").all() and (robust.lower_bound < robust.d_true).all()
     assert (table.calls == table.D * table.N).all() and (table.tokens > table.calls).all()
+    # tau = 2 is the sampling stage's own sample: the full cell is the pruning stage's common set
+    full = robust[(robust.model == "embedded") & (robust.temperature == 2.0) & (robust.D == 120) & (robust.N == 5000)].iloc[0]
+    hidden = json.loads((project / "metrics" / "hidden_dim.json").read_text())
+    assert (full.D_prime, full.C, full.lower_bound) == (hidden["D_prime"], hidden["common_set_size"], hidden["lower_bound"])
     efficiency = json.loads((project / "metrics" / "efficiency.json").read_text())["tokens_to_exact"]
-    assert len(efficiency) == 3 * 2 and all(r["tokens"] is None for r in efficiency)
+    assert len(efficiency) == 4 * 2 and all(r["tokens"] is None for r in efficiency)
     assert all(0 <= r["best_lower_bound"] < r["d_true"] for r in efficiency if r["method"] == "robust")
 
 

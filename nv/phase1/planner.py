@@ -56,19 +56,21 @@ class TokenModel:
     def expected_common(self, N: float | np.ndarray, D: int) -> np.ndarray:
         """mu(N) for D fresh prompts like the pilot's: sum_i (1 - I(m_i, s_i; N))^D."""
         Ns = np.atleast_1d(np.asarray(N, dtype=np.float64))
-        mu = np.array([np.sum(np.exp(D * np.log1p(-np.minimum(miss_probability(self.m, self.s, n), 1.0 - 1e-300))))
-                       for n in Ns])
+        with np.errstate(divide="ignore"):  # a token missed for sure: log(0) = -inf, presence exp(-inf) = 0
+            mu = np.array([np.sum(np.exp(D * np.log1p(-miss_probability(self.m, self.s, n)))) for n in Ns])
         return mu if np.ndim(N) else float(mu[0])
 
     def samples_for(self, target: float, D: int, N_max: float = 1e9) -> float | None:
         """The N at which mu(N) reaches ``target`` (bisection on log N); None when even N_max does not."""
         if self.expected_common(N_max, D) < target:
             return None
-        f = lambda x: math.log(max(self.expected_common(math.exp(x), D), 1e-300)) - math.log(target)  # noqa: E731
-        lo = math.log(1.0)
-        if f(lo) >= 0:
+
+        def short(log_N: float) -> float:  # log mu(N) - log target, increasing in N
+            return math.log(max(self.expected_common(math.exp(log_N), D), 1e-300)) - math.log(target)
+
+        if short(0.0) >= 0:
             return 1.0
-        return math.exp(optimize.brentq(f, lo, math.log(N_max), xtol=1e-3))
+        return math.exp(optimize.brentq(short, 0.0, math.log(N_max), xtol=1e-3))
 
 
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
