@@ -36,7 +36,7 @@ _WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
 
 
 def miss_probability(m: np.ndarray, s: np.ndarray, N: float) -> np.ndarray:
-    """I(m, s; N) = E[(1 - e^x)^N], x ~ Normal(m, s^2) truncated at 0: the chance that N draws of one prompt miss a
+    """I(m, s; N) = E[(1 - e^x)^N], x ~ Normal(m, s^2) clipped just below 0: the chance that N draws of one prompt miss a
     token whose log-prob is Normal(m, s^2) across prompts."""
     x = np.minimum(np.asarray(m)[..., None] + np.asarray(s)[..., None] * _NODES, -1e-12)
     return np.exp(N * np.log1p(-np.exp(x))) @ _WEIGHTS
