@@ -20,6 +20,7 @@ import numpy as np
 
 from bench_phase1_algos import _peak_rss, _reset_peak_rss
 from nv.oracle import Simulator
+from nv.phase1.exactness import outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.search import random_prompts
@@ -61,10 +62,7 @@ def main() -> int:
         said = f"d_hat_raw = {e.d_hat_raw}" if e.d_hat_raw is not None else f"{e.reason}" + (
             f", d >= {e.lower_bound}" if e.lower_bound is not None else "")
         print(f"  {method:<7} {said} (true d = {d_true})")
-    robust = estimates["robust"]
-    wrong = robust.d_hat_raw is not None and abs(robust.d_hat_raw - d_true) > max(3, 0.005 * d_true) or (
-        robust.d_hat_raw is None and robust.lower_bound > d_true)
-    return 1 if wrong else 0
+    return 1 if outcome(estimates["robust"], d_true) == "wrong" else 0
 
 
 if __name__ == "__main__":
