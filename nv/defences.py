@@ -13,16 +13,20 @@ Each knob is applied post hoc to what the undefended run observed, where that is
   a prompt with fewer than N draws in S_q keeps all of them (``short_rows`` counts those).
 - timing knobs act on each trial of the target's App. D record (``defend_record``): delays and quantisation as
   ``DefendedOracle.time_request`` applies them; padding moves each trial along the target's own measured latency
-  curve to the padded length (interpolated, linear beyond the longest length). The counter-measure keeps each
-  length's fastest trials (``fastest``): a delay is never negative, so the fastest trials carry the least of it,
-  and the natural jitter dithers a quantised clock.
+  curve to the padded length (interpolated, linear beyond the longest length). The counter-measure against delays
+  and padding keeps each length's fastest trials (``fastest``): a delay is never negative, so the fastest trials
+  carry the least of it. Against a quantised clock it is physics: each trial's prompt is lengthened by a random
+  0..u tokens, u the tokens one quantum of latency buys (``dither_tokens``), so a length's trials spread evenly over
+  a quantum and their mean carries the quantisation only as a constant (the ell = 1 baseline is not dithered: an
+  offset of at most q remains), and sigma_T is kept at least at the clock's own error (``_summarised``).
 - "10x": ten times the phase-1 budget is emulated for noise only (sigma / sqrt(10): ten times the calls per observed
   token; the columns they would add are not); for timing, ten times the trials per length: every measured trial
   counted ten times with fresh defence draws (sigma_T scaled by 1/sqrt(10)). The other log-prob knobs are
   deterministic per value: the cell is left empty.
 
-Outcomes: phase 1 "exact" (|d_hat_raw - d| <= max(3, 0.5 % of d)), "wrong" or "not saturated" (with the lower
-bound); phase 2 "stopped" when |L_hat - L| / L exceeds ``L_tolerance``.
+Outcomes: phase 1 as ``nv.phase1.exactness.outcome`` ("exact": d within the detector's interval around d_hat_raw,
+"not saturated" with a lower bound at most d, "wrong" otherwise; the paper estimator's "no estimate"); phase 2
+"stopped" when |L_hat - L| / L exceeds ``L_tolerance``.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import scipy.sparse as sp
 
 from nv.errors import NVError
 from nv.oracle.defence import Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs, truncation_mask
+from nv.phase1.exactness import outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import SampledMatrix
 from nv.phase2.evaluation import held_out
-from nv.phase2.protocol import LengthTimings, summarize
+from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 
 LOGPROB_KNOBS = ("round_decimals", "round_format", "noise_sigma", "min_logprob", "top_k", "top_p", "min_p")
 TIMING_KNOBS = ("latency_quantum_ms", "delay_uniform_ms", "delay_exp_ms", "pad_to_tokens")
@@ -60,17 +65,6 @@ def settings(sweep: dict) -> list[tuple[str, object]]:
 def label(value) -> str:
     """A setting as the tables show it (the undefended row: empty)."""
     return "" if value is None else str(value)
-
-
-def exact_tolerance(d: int) -> float:
-    """The resolution the estimators are held to: max(3, 0.5 % of d)."""
-    return max(3.0, 0.005 * d)
-
-
-def outcome(saturated: bool, d_hat_raw: int | None, d_true: int) -> str:
-    if not saturated:
-        return "not saturated"
-    return "exact" if abs(d_hat_raw - d_true) <= exact_tolerance(d_true) else "wrong"
 
 
 # -- phase 1 -------------------------------------------------------------------------------------------
@@ -127,7 +121,7 @@ def phase1_cell(S: SampledMatrix, spectrum: dict, d_true: int) -> dict:
     cs = common_set(S)
     row = {"D_prime": cs.Y.shape[0], "C": cs.Y.shape[1], "tokens": S.tokens(), "calls": S.calls()}
     for method, e in estimate_both(cs.Y, spectrum).items():
-        row |= {f"{method}_outcome": outcome(e.saturated, e.d_hat_raw, d_true), f"{method}_d_hat_raw": e.d_hat_raw,
+        row |= {f"{method}_outcome": outcome(e, d_true), f"{method}_d_hat_raw": e.d_hat_raw,
                 f"{method}_lower_bound": e.lower_bound}
     return row
 
@@ -169,15 +163,26 @@ def _latency_curve(record: dict):
     return curve, float(np.polyfit(ell, t, 1)[0])
 
 
-def defend_record(record: dict, defence: Defence, rng: np.random.Generator, repeat: int = 1) -> list[LengthTimings]:
+def dither_tokens(quantum_ms: float, s_per_token: float) -> int:
+    """u: the prompt tokens whose prefill spans one quantum of latency (the attacker reads q off the reported values
+    and the slope off a first sweep)."""
+    return max(1, math.ceil(quantum_ms / 1000.0 / s_per_token))
+
+
+def defend_record(record: dict, defence: Defence, rng: np.random.Generator, repeat: int = 1,
+                  dither: int = 0) -> list[LengthTimings]:
     """The target's App. D trials as the defended API reports them; ``repeat`` > 1 counts every measured trial that
     many times, each copy with fresh defence draws (the defence's randomness at ``repeat`` x the trials; the natural
-    jitter is not re-measured)."""
+    jitter is not re-measured). ``dither`` > 0: the attacker lengthens each trial's prompt (the ell = 1 baseline's
+    aside) by a uniform 0..dither tokens, the trial moved along the measured latency curve."""
     curve, _ = _latency_curve(record)
     rows = []
     for r in record["rows"]:
         ell = np.tile(np.asarray(r["ell"], dtype=np.float64), repeat)
         seconds = np.tile(np.asarray(r["seconds"], dtype=np.float64), repeat)
+        if dither and r["target"] != BASELINE:
+            longer = ell + rng.integers(0, dither + 1, ell.size)
+            seconds, ell = seconds + curve(longer) - curve(ell), longer
         if defence.pad_to_tokens is not None:
             padded = np.ceil(ell / defence.pad_to_tokens) * defence.pad_to_tokens
             seconds = seconds + curve(padded) - curve(ell)
@@ -201,16 +206,20 @@ def fastest(rows: list[LengthTimings], fraction: float) -> list[LengthTimings]:
     return out
 
 
-def _summarised(record: dict, rows: list[LengthTimings], trim: float, fraction: float | None, repeat: int) -> dict:
+def _summarised(record: dict, rows: list[LengthTimings], trim: float, fraction: float | None, repeat: int,
+                resolution_s: float = 0.0) -> dict:
     """The record re-summarised (App. D) from defended trials, with the plain trimmed mean or, with ``fraction``, the
     mean of the fastest trials. At ``repeat`` x the trials, sigma_T is that of the first copy over sqrt(repeat): the
-    copies share their natural jitter, so their own spread would overstate the precision."""
+    copies share their natural jitter, so their own spread would overstate the precision. ``resolution_s``: a clock
+    step q the attacker has seen; sigma_T is kept at least q / sqrt(12 K), a quantised clock's own error, where K
+    trials that fell in one step would claim zero (and weigh infinitely in the fits)."""
     def stats(rs):
         return summarize(fastest(rs, fraction), 0.0) if fraction else summarize(rs, trim)
 
     full = stats(rows)
     K = len(rows[0].seconds) // repeat
-    sigma = stats([LengthTimings(r.target, r.ell[:K], r.seconds[:K]) for r in rows])["sigma"] / math.sqrt(repeat)
+    sigma = np.maximum(stats([LengthTimings(r.target, r.ell[:K], r.seconds[:K]) for r in rows])["sigma"],
+                       resolution_s / math.sqrt(12 * K)) / math.sqrt(repeat)
     return record | {"rows": [r.__dict__ for r in rows], "ell": full["ell"].tolist(), "T": full["T"].tolist(),
                      "sigma": sigma.tolist(), "trials": len(rows[0].seconds), "tokens": int(full["tokens"])}
 
@@ -218,8 +227,9 @@ def _summarised(record: dict, rows: list[LengthTimings], trim: float, fraction: 
 def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]], timing: dict, fraction: float,
                  L_tolerance: float, seed: int) -> pd.DataFrame:
     """Every timing knob setting on the target's reference-platform record: L_hat (the basic estimator, §4.2) and
-    P_hat with the plain statistic (``no_counter``: App. D's trimmed mean), with the counter-measure (``attack``) and
-    with it at 10x the trials (``attack_10x``); the provider's mean added latency."""
+    P_hat with the plain statistic (``no_counter``: App. D's trimmed mean), with the counter-measure (``attack``: the
+    fastest trials, or the length dither against ``latency_quantum_ms``) and with it at 10x the trials
+    (``attack_10x``); the provider's mean added latency."""
     platform = next(iter(records))
     recs = records[platform]
     target = next(r for r in recs if r["role"] == "target")
@@ -229,10 +239,14 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
         if knob not in TIMING_KNOBS and knob != "none":
             continue
         defence = Defence(**({knob: value} if knob != "none" else {}))
-        variants = {"no_counter": (1, None), "attack": (1, fraction), "attack_10x": (TENFOLD, fraction)}
-        for variant, (repeat, frac) in variants.items():
+        # the counter-measure: the fastest trials, or against a quantised clock a length dither with the plain statistic
+        # and sigma_T kept at the clock's own error
+        quantum = value if knob == "latency_quantum_ms" else None
+        counter = (None, dither_tokens(quantum, s_per_token), quantum / 1000.0) if quantum else (fraction, 0, 0.0)
+        variants = {"no_counter": (1, None, 0, 0.0), "attack": (1, *counter), "attack_10x": (TENFOLD, *counter)}
+        for variant, (repeat, frac, u, resolution) in variants.items():
             rng = np.random.default_rng([seed, len(rows)])
-            g = _summarised(target, defend_record(target, defence, rng, repeat), timing["trim"], frac, repeat)
+            g = _summarised(target, defend_record(target, defence, rng, repeat, u), timing["trim"], frac, repeat, resolution)
             est = held_out(recs, [*[r for r in recs if r is not target], g], g, timing, "d_used")
             L_err = est.get("L_err", np.nan)
             rows.append({"knob": knob, "setting": label(value), "variant": variant, "trials": g["trials"], "L_true": g["L"],
@@ -270,7 +284,8 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator:
                 return ""
             r = v.loc[variant]
             o = r[f"{estimator}_outcome"]
-            return f"{o} ({int(r[f'{estimator}_d_hat_raw'])})" if o != "not saturated" else f"{o} (d >= {int(r[f'{estimator}_lower_bound'] or 0)})"
+            raw = r[f"{estimator}_d_hat_raw"]
+            return f"{o} ({int(raw)})" if pd.notna(raw) else f"{o} (d >= {int(r[f'{estimator}_lower_bound'] or 0)})"
         price = prices[(prices.knob == knob) & (prices.setting == setting)]
         rows.append({"knob": knob, "setting": setting, "phase": 1, "without_counter": cell("no_counter") or cell("attack"),
                      "with_counter": cell("attack") if "no_counter" in v.index else "", "at_10x": cell("attack_10x"),
@@ -280,7 +295,9 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator:
         v = g.set_index("variant")
         def cell(variant):
             r = v.loc[variant]
-            return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * r.L_err:+.0f} %)" if np.isfinite(r.L_hat) else f"stopped (no fit: {r.note})"
+            # L_err is |L_hat - L| / L; the cell shows the signed error
+            return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * (r.L_hat / r.L_true - 1):+.0f} %)" if np.isfinite(r.L_hat) \
+                else f"stopped (no fit: {r.note})"
         rows.append({"knob": knob, "setting": setting, "phase": 2, "without_counter": cell("no_counter"),
                      "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "paper_estimator": "",
                      "cost": f"{v.loc['no_counter', 'added_ms']:,.0f} ms per request"})

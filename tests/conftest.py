@@ -27,7 +27,7 @@ def root() -> Path:
 
 TINY = {
     "search": {"D": 120, "rounds": 2, "batch_size": 96, "explore_rounds": 1},
-    "sampling": {"N": 5000, "chunk": 50},
+    "sampling": {"N": 5000, "N0": 1000, "chunk": 50},
     "spectrum": {"whitebox_prompts": 60},
     "sweep": {"budgets": [2000, 5000]},
     "exactness": {"D_values": [60, 120], "N_values": [2000, 5000], "temperatures": [2.0, 4.0]},

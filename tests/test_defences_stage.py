@@ -10,8 +10,8 @@ import scipy.sparse as sp
 
 from nv.defences import (
     defend_record,
+    dither_tokens,
     fastest,
-    outcome,
     reported,
     results,
     settings,
@@ -102,6 +102,22 @@ def test_timing_defences_per_trial():
     assert np.mean(padded[4].seconds) > np.mean(RECORD["rows"][4]["seconds"])  # 400 -> 512: beyond the curve, linear
 
 
+def test_length_dither_spreads_trials_over_one_quantum():
+    """RECORD's latency grows 1 ms per token: one 10 ms quantum is u = 10 tokens. Each trial but the baseline's moves
+    to ell + U (U uniform in 0..u) along the curve; quantised, a length's mean sits q / 2 above the unquantised
+    dithered mean, as a uniform spread over one step gives (without the dither every trial of a length rounds alike)."""
+    u = dither_tokens(10, 0.001)
+    assert u == 10 and dither_tokens(0.1, 0.001) == 1
+    plain = defend_record(RECORD, Defence(), np.random.default_rng(1), repeat=500, dither=u)
+    quant = defend_record(RECORD, Defence(latency_quantum_ms=10), np.random.default_rng(1), repeat=500, dither=u)
+    assert plain[0].ell == [30] * 3000 and quant[0].seconds == [quantise_latency(s, 10) for s in plain[0].seconds]
+    for row_plain, row_quant, orig in zip(plain[1:], quant[1:], RECORD["rows"][1:]):
+        shift = np.asarray(row_plain.ell) - orig["target"]
+        assert shift.min() == 0 and shift.max() == u and row_plain.ell == row_quant.ell
+        assert np.allclose(np.asarray(row_plain.seconds) - np.tile(orig["seconds"], 500), shift * 0.001)
+        assert abs(np.mean(row_quant.seconds) - np.mean(row_plain.seconds) - 0.005) < 0.001
+
+
 def test_fastest_trials():
     rows = defend_record(RECORD, Defence(), np.random.default_rng(0))
     kept = fastest(rows, 0.3)
@@ -115,11 +131,6 @@ def test_settings_validate_every_value():
         settings({"top_p": [1.5]})
     with pytest.raises(NVError, match=r"defences.knobs names \['top_q'\]"):
         settings({"top_q": [1]})
-
-
-def test_outcome_tolerance():
-    assert outcome(True, 579, 576) == "exact" and outcome(True, 580, 576) == "wrong" and outcome(False, None, 576) == "not saturated"
-    assert outcome(True, 1530, 1536) == "exact"  # 0.5 % of 1536 = 7.7
 
 
 def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
@@ -163,16 +174,25 @@ def _record(name: str, role: str, d: int, L: int, rng: np.random.Generator) -> d
 
 
 def test_phase2_sweep_on_records_of_a_known_law():
-    """Undefended the target's depth comes back; a clock quantised to 1 s (every latency here is below 0.6 s) leaves
-    no prefill growth to fit: stopped, whatever the counter-measure; the provider's price is what it adds."""
+    """Undefended the target's depth comes back. A clock quantised to 100 ms (every latency here is below 0.6 s) puts
+    all trials of a length in one step: App. D's sigma_T = 0 and no fit; the length dither brings L within 25 %. At 1 s
+    nothing is left to fit, whatever the counter-measure. The provider's price is what the clock adds."""
     rng = np.random.default_rng(0)
     refs = [_record(f"r{d}x{L}", "reference", d, L, rng) for d, L in ((256, 4), (256, 8), (384, 6), (512, 8))]
     records = {"inprocess": [*refs, _record("target", "target", 448, 10, rng)]}
     timing = {"trim": 0.1, "discard": 0, "kv_ratio": 0.25, "ffn_ratio": 3.5}
-    p2 = sweep_phase2(records, settings({"latency_quantum_ms": [1000]}), timing, 0.3, 0.25, seed=0)
-    by = {(r.knob, r.variant): r for r in p2.itertuples()}
-    assert abs(by[("none", "no_counter")].L_err) < 0.05 and by[("none", "no_counter")].outcome == "works"
-    assert by[("none", "no_counter")].added_ms == 0
-    assert all(by[("latency_quantum_ms", v)].outcome == "stopped" for v in ("no_counter", "attack", "attack_10x"))
-    assert by[("latency_quantum_ms", "no_counter")].added_ms == 500.0
-    assert by[("none", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for
+    p2 = sweep_phase2(records, settings({"latency_quantum_ms": [100, 1000]}), timing, 0.3, 0.25, seed=0)
+    by = {(r.knob, r.setting, r.variant): r for r in p2.itertuples()}
+    assert abs(by[("none", "", "no_counter")].L_err) < 0.05 and by[("none", "", "no_counter")].outcome == "works"
+    assert by[("none", "", "no_counter")].added_ms == 0
+    assert by[("latency_quantum_ms", "100", "no_counter")].outcome == "stopped"
+    assert by[("latency_quantum_ms", "100", "attack")].outcome == "works"
+    assert all(by[("latency_quantum_ms", "1000", v)].outcome == "stopped" for v in ("no_counter", "attack", "attack_10x"))
+    assert by[("latency_quantum_ms", "1000", "no_counter")].added_ms == 500.0
+    # the table shows the signed error (L_err is its absolute value)
+    table = results(pd.DataFrame(columns=["knob", "setting", "variant"]), p2, pd.DataFrame(columns=["knob", "setting", "kl", "tv"]),
+                    "robust").set_index(["knob", "setting"])
+    attack = by[("latency_quantum_ms", "100", "attack")]
+    assert table.loc[("latency_quantum_ms", "100"), "with_counter"] == \
+        f"works (L_hat {attack.L_hat:.1f}, {100 * (attack.L_hat / 10 - 1):+.0f} %)" and attack.L_hat < 10
+    assert by[("none", "", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for

@@ -4,11 +4,14 @@ exact cell is the cheapest of the exact ones. The stage itself runs in tests/tes
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from nv.phase1.exactness import cheapest_exact, first, grid, outcome
+from nv.phase1.adaptive import stopped
+from nv.phase1.exactness import adaptive_replay, cheapest_exact, first, grid, outcome
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import SpectrumEstimate
@@ -36,6 +39,7 @@ def test_outcome_labels():
     assert outcome(est("robust", 576, None), 576) == "exact"
     assert outcome(est("robust", 578, None), 576) == "exact"  # within max(3, 0.5 %)
     assert outcome(est("robust", 600, None), 576) == "wrong"
+    assert outcome(est("robust", 1530, None), 1536) == "exact"  # 0.5 % of d above 600
     assert outcome(est("robust", None, 500), 576) == "not saturated"
     assert outcome(est("robust", None, 600), 576) == "wrong"  # a lower bound above the truth is a wrong answer
     assert outcome(est("paper", None, None), 576) == "no estimate"
@@ -73,3 +77,30 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     hopeless = grid(S, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
     path = save(grid_figure(pd.concat([table, hopeless]), (20_000, 10**6)), tmp_path / "grid.png")
     assert path.stat().st_size > 20_000
+
+
+def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
+    """The adaptive loop's rounds and stop rule on the stored nested draws: the first round that meets the rule, with
+    the true rank; every earlier round fails it; the schedule is capped at the stored N."""
+    oracle, S = toy
+    sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
+    rounds, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
+    assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].N < S.N
+    assert [r.N for r in rounds] == [250 * 2**r for r in range(len(rounds))] and len(rounds) >= 2
+    assert rounds[-1].tokens == S.subsample(rounds[-1].N, 0).tokens() and rounds[-1].calls == S.D * rounds[-1].N
+    for r in rounds:
+        est = estimate_on(common_set(S.subsample(r.N, 0)).Y, "robust", SPECTRUM["robust"])
+        check = estimate_on(common_set(S.subsample(int(r.N / math.sqrt(2)), 0)).Y, "robust", SPECTRUM["robust"])
+        assert stopped(est, check) == (r is rounds[-1]), r
+    # draws that run out first: the last round is the stored N (here unsaturated); none at all below N_0
+    assert not rounds[0].saturated
+    capped, why = adaptive_replay(S.subsample(rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
+    assert why == "stored draws" and capped == rounds[:1]
+    assert adaptive_replay(S.subsample(100, 0), sampling, SPECTRUM["robust"], 0) == ([], "stored draws")
+    # the figure marks the stop (and draws a model without one)
+    last = rounds[-1]
+    stops = pd.DataFrame([{"model": "toy", "temperature": S.temperature, "stop": "stable", "N": last.N, "d_hat_raw": last.d_hat_raw,
+                           "lower_bound": last.lower_bound}, {"model": "other", "temperature": 1.0, "stop": "stored draws",
+                           "N": None, "d_hat_raw": None, "lower_bound": None}])
+    table = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    assert save(grid_figure(table, None, stops), tmp_path / "grid.png").stat().st_size > 20_000

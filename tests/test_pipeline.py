@@ -191,9 +191,15 @@ def check_exactness(project: Path) -> None:
     full = robust[(robust.model == "embedded") & (robust.temperature == 2.0) & (robust.D == 120) & (robust.N == 5000)].iloc[0]
     hidden = json.loads((project / "metrics" / "hidden_dim.json").read_text())
     assert (full.D_prime, full.C, full.lower_bound) == (hidden["D_prime"], hidden["common_set_size"], hidden["lower_bound"])
-    efficiency = json.loads((project / "metrics" / "efficiency.json").read_text())["tokens_to_exact"]
-    assert len(efficiency) == 4 * 2 and all(r["tokens"] is None for r in efficiency)
-    assert all(0 <= r["best_lower_bound"] < r["d_true"] for r in efficiency if r["method"] == "robust")
+    efficiency = json.loads((project / "metrics" / "efficiency.json").read_text())
+    assert len(efficiency["tokens_to_exact"]) == 4 * 2 and all(r["tokens"] is None for r in efficiency["tokens_to_exact"])
+    assert all(0 <= r["best_lower_bound"] < r["d_true"] for r in efficiency["tokens_to_exact"] if r["method"] == "robust")
+    # the adaptive loop replayed on each model's tau = 2 draws (N0 = 1000, x2, capped at the stored N): never stable here
+    adaptive = {r["model"]: r for r in efficiency["adaptive"]}
+    assert set(adaptive) == {"embedded", "qwen2.5-coder-0.5b"} and all(r["stop"] == "stored draws" for r in adaptive.values())
+    assert (adaptive["embedded"]["rounds"], adaptive["embedded"]["N"]) == (4, 5000)  # 1000, 2000, 4000, 5000
+    assert adaptive["embedded"]["tokens"] == full.tokens and adaptive["embedded"]["d_hat_raw"] is None
+    assert all(0 <= r["lower_bound"] < r["d_true"] for r in adaptive.values())
 
 
 def check_planner(project: Path) -> None:

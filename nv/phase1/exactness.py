@@ -3,18 +3,21 @@ and sampling temperature tau, and the cheapest exact cell, in §5's token cost.
 
 Every cell of one (model, tau) sample is nested in both D and N: the first D prompts and, of each, the first N of
 its stored calls (hypergeometric thinning, ``SampledMatrix.subsample``), as the budget sweep (§5.1) is nested in N.
-The true d (white-box) only labels the outcome; the estimators never see it.
+The true d (white-box) only labels the outcome; the estimators never see it. ``adaptive_replay`` runs the adaptive
+loop's rounds and stop rule (``nv.phase1.adaptive``) on the same nested draws: its stopping point without new calls.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.adaptive import Round, schedule, stopped
+from nv.phase1.pipeline import common_set, estimate_both, estimate_on
 from nv.phase1.sampling import SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
@@ -81,3 +84,24 @@ def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method"
                     "max_tokens_tried": g.tokens.max()}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
+    """The adaptive loop (``sampling.N: auto``) replayed on stored draws: round r's merged Y_hat is the first N_r calls
+    of each prompt of S, the check the first N_r / sqrt(2) (thinning is exact in distribution: the rounds are nested),
+    with the loop's schedule capped at S.N and its stop rule. Returns the rounds and why they stopped: "stable", or
+    "stored draws" when S.N came first (the live loop would go on to N_max; no round at all when S.N < N_0)."""
+    rounds = []
+    if S.N < sampling["N0"]:
+        return rounds, "stored draws"
+    for r, N in enumerate(schedule(sampling["N0"], min(sampling["N_max"], S.N), sampling["growth"])):
+        merged = S.subsample(N, seed)
+        cs = common_set(merged)
+        est = estimate_on(cs.Y, "robust", robust)
+        check_N = max(1, int(N / math.sqrt(2)))
+        check = estimate_on(common_set(S.subsample(check_N, seed)).Y, "robust", robust) if est.saturated else est
+        rounds.append(Round(r, N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
+                            check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls()))
+        if stopped(est, check):
+            return rounds, "stable"
+    return rounds, "stored draws"

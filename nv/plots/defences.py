@@ -9,11 +9,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.defences import exact_tolerance
+from nv.phase1.sweep import d_interval
 
 VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("with counter-measure", "C0", "o"),
             "attack_10x": ("with counter-measure, 10x budget", "C2", "^")}
-OUTCOME_Y = {"exact": 0.0, "wrong": 1.0, "not saturated": 2.0}
 
 
 def _price_label(setting, cost: str) -> str:
@@ -45,7 +44,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
         labels = ["none\n(undefended)"] + [_price_label(s, c) for s, c in zip(rows_t.setting, rows_t.cost)]
         x = np.arange(len(labels))
         if phase == 1:
-            top, tol = 300.0, exact_tolerance(d_true)
+            top, tol = 300.0, d_true - d_interval(d_true, None)[0]
             sub = p1[p1.knob == knob]
             for j, (variant, (label, color, marker)) in enumerate(VARIANTS.items()):
                 v = sub[sub.variant == variant]
@@ -59,7 +58,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                         ys.append(np.nan)
                         continue
                     raw = r[f"{estimator}_d_hat_raw"]
-                    if r[f"{estimator}_outcome"] == "not saturated":
+                    if pd.isna(raw):
                         ys.append(np.nan)
                         fails.append((i, r[f"{estimator}_lower_bound"]))
                     else:

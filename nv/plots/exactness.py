@@ -11,11 +11,12 @@ from nv.phase1.exactness import cheapest_exact
 OUTCOME_COLORS = {"exact": "tab:green", "not saturated": "tab:orange", "no estimate": "0.65", "wrong": "tab:red"}
 
 
-def grid(table, paper_budget: tuple[int, int] | None = None):
+def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None):
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust) and a circle (paper
     estimator) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
-    length)."""
+    length); ``adaptive`` (``exactness.adaptive_replay``'s stops: model, temperature, N, d_hat_raw, stop), a triangle
+    where the adaptive loop stopped on all D prompts."""
     panels = list(table.groupby(["model", "temperature"], sort=False))
     ncols = 2 if len(panels) == 4 else min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
@@ -39,8 +40,16 @@ def grid(table, paper_budget: tuple[int, int] | None = None):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
                 ax.annotate(f"{method}: {b.tokens:.2g} tokens", (b.N * x, b.D), textcoords="offset points",
                             xytext=(0, 12 if method == "robust" else -18), ha="center", fontsize=7)
+        stops = adaptive[(adaptive.model == model) & (adaptive.temperature == tau) & adaptive.N.notna()] \
+            if adaptive is not None and len(adaptive) else pd.DataFrame()
+        for r in stops.itertuples():  # above the grid, clear of the cheapest cell's label
+            said = f"raw {r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else f"d >= {r.lower_bound:.0f}"
+            ax.scatter(r.N, g.D.max() * 2.2, marker="v", s=90, color="tab:blue", edgecolors="k", zorder=4)
+            verdict = f"stops at N = {r.N:.2g}" if r.stop == "stable" else f"not yet stable at N = {r.N:.2g} (draws end)"
+            ax.annotate(f"adaptive: {said}, {verdict}", (r.N, g.D.max() * 2.2), textcoords="offset points",
+                        xytext=(0, 7), ha="center", fontsize=7, color="tab:blue")
         N_lo, N_hi = g.N.min() / 2, g.N.max() * 2
-        D_lo, D_hi = g.D.min() / 1.6, g.D.max() * 1.6
+        D_lo, D_hi = g.D.min() / 1.6, g.D.max() * (3.2 if len(stops) else 1.6)
         if paper_budget:
             D_p, N_p = paper_budget
             ax.scatter(N_p, D_p, marker="*", s=220, color="k", zorder=4)
@@ -62,7 +71,9 @@ def grid(table, paper_budget: tuple[int, int] | None = None):
                 plt.Line2D([], [], ls="", marker="o", mfc="w", mec="k", label="paper (right)"),
                 plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
-    fig.legend(handles=handles, loc="lower center", ncol=8, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    if adaptive is not None and len(adaptive):
+        handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (all D)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), nested draws")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
