@@ -36,7 +36,7 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
     for r, n in enumerate((300, 700)):
         collect(oracle, PROMPTS[:10], n, 2.0, round_seed(0, r), tmp_path / f"r{r}", 300, tmp_path / "ck", {"m": "toy"}, 5, False)
         parts.append(load_samples(tmp_path / f"r{r}"))
-    merged = merge(parts)
+    merged = merge(*parts)
     assert merged.N == 1000 and np.array_equal(np.asarray(merged.counts.sum(axis=1)).ravel(), np.full(10, 1000))
     # a token seen in both rounds keeps its (exact) log-prob; the union of the columns is kept
     for q in range(10):
@@ -60,8 +60,9 @@ def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
     assert S.N == rounds[-1].N and S.D == len(PROMPTS) and S.tokens() == rounds[-1].tokens
     # recomputed independently from the round folders: every earlier round fails the rule, the last one meets it
     parts = [load_samples(f) for f in sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))]
+    merged = None
     for r in range(len(rounds)):
-        merged = merge(parts[: r + 1])
+        merged = parts[r] if merged is None else merge(merged, parts[r])
         est = estimate(common_set(merged).Y, "robust", **ROBUST)
         check = estimate(common_set(merged.subsample(int(merged.N / math.sqrt(2)), 0)).Y, "robust", **ROBUST)
         assert stopped(est, check) == (r == len(rounds) - 1), r

@@ -10,11 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from nv.errors import NVError
 from nv.phase1.adaptive import stopped
 from nv.phase1.exactness import adaptive_replay, cheapest_exact, first, grid, outcome
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import SpectrumEstimate
+from nv.phase1.sweep import budget_sweep
 from nv.plots import save
 from nv.plots.exactness import grid as grid_figure
 from synthetic import LowRankOracle
@@ -58,6 +60,12 @@ def test_grid_is_nested_and_finds_the_rank(toy):
     cs = common_set(first(S.subsample(100, 0), 20))
     assert (cell.D_prime, cell.C) == cs.Y.shape and cell.lower_bound == estimate_on(cs.Y, "robust", SPECTRUM["robust"]).lower_bound
     assert cell.tokens == (5 + 1) * 20 * 100
+    # first(S, D) is S's first D rows, as views of S's arrays where they are most of them (no copy of a multi-GB sample)
+    head = first(S, 60)
+    assert (head.counts != S.counts[:60]).nnz == 0 and (head.logprobs != S.logprobs[:60]).nnz == 0
+    assert np.shares_memory(head.counts.data, S.counts.data) and np.shares_memory(head.logprobs.indices, S.logprobs.indices)
+    head = first(S, 20)
+    assert (head.counts != S.counts[:20]).nnz == 0 and (head.logprobs != S.logprobs[:20]).nnz == 0
     assert set(table.outcome) <= {"exact", "not saturated", "no estimate", "wrong"}
 
 
@@ -104,3 +112,12 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
                            "N": None, "d_hat_raw": None, "lower_bound": None}])
     table = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert save(grid_figure(table, None, stops), tmp_path / "grid.png").stat().st_size > 20_000
+
+
+def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
+    """An adaptive sample that stopped below a sweep budget: the sweep keeps the budgets it has, and says so when none."""
+    oracle, S = toy
+    table, _ = budget_sweep(S, [1000, 16_000, 10**6], SPECTRUM, 0, oracle.rank)
+    assert sorted(set(table.N)) == [1000, 16_000]
+    with pytest.raises(NVError, match="above the sample's N = 16,000"):
+        budget_sweep(S, [10**6], SPECTRUM, 0, oracle.rank)

@@ -47,19 +47,18 @@ def round_seed(seed: int, r: int) -> int:
     return int(np.random.SeedSequence([seed, r]).generate_state(1)[0])
 
 
-def merge(parts: list[SampledMatrix]) -> SampledMatrix:
-    """Y_hat of the union of the rounds: counts add; a token's log-prob is the count-weighted mean of its rounds'
-    values (equal on an exact oracle; an average against a noisy one)."""
-    counts = sum((p.counts.astype(np.float64) for p in parts[1:]), parts[0].counts.astype(np.float64)).tocsr()
-    weighted = sum((p.logprobs.multiply(p.counts) for p in parts[1:]), parts[0].logprobs.multiply(parts[0].counts)).tocsr()
+def merge(a: SampledMatrix, b: SampledMatrix) -> SampledMatrix:
+    """Y_hat of the union of two samples of the same prompts: counts add; a token's log-prob is the count-weighted
+    mean of their values (equal on an exact oracle; an average against a noisy one). Merging round by round keeps
+    one merged matrix and one round in memory, never every round at once."""
+    counts = (a.counts.astype(np.int64) + b.counts).tocsr()
+    weighted = (a.logprobs.astype(np.float64).multiply(a.counts) + b.logprobs.multiply(b.counts)).tocsr()
     counts.sort_indices()
     weighted.sort_indices()
     if not (np.array_equal(counts.indptr, weighted.indptr) and np.array_equal(counts.indices, weighted.indices)):
         raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
     logprobs = sp.csr_matrix((weighted.data / counts.data, counts.indices, counts.indptr), shape=counts.shape)
-    prompt_tokens = parts[0].prompt_tokens
-    return SampledMatrix(logprobs.astype(np.float32), counts.astype(np.int64), prompt_tokens,
-                         sum(p.N for p in parts), parts[0].temperature)
+    return SampledMatrix(logprobs.astype(np.float32), counts.astype(np.int32), a.prompt_tokens, a.N + b.N, a.temperature)
 
 
 @dataclass
@@ -91,6 +90,18 @@ def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
             and abs(int(estimate_.d_hat_raw) - int(check.d_hat_raw)) <= 1)
 
 
+def assess(r: int, merged: SampledMatrix, robust: dict, seed: int) -> tuple[Round, bool]:
+    """Round r on its merged Y_hat (N_r calls per prompt): the robust estimate on the common set and, when saturated,
+    again on the same draws thinned to N_r / sqrt(2); returns the round and whether the stop rule holds."""
+    cs = common_set(merged)
+    est = estimate_on(cs.Y, "robust", robust)
+    check_N = max(1, int(merged.N / math.sqrt(2)))
+    check = estimate_on(common_set(merged.subsample(check_N, seed)).Y, "robust", robust) if est.saturated else est
+    done = Round(r, merged.N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
+                 check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls())
+    return done, stopped(est, check)
+
+
 def sample_adaptive(
     oracle: Oracle,
     prompts: list[str],
@@ -108,7 +119,7 @@ def sample_adaptive(
     cap: ``NVError`` from the oracle). Writes the merged Y_hat to ``out_dir`` (``load_samples`` reads it); returns
     it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message)."""
     plan = schedule(sampling["N0"], sampling["N_max"], sampling["growth"])
-    parts, rounds, why, merged = [], [], "N_max", None
+    rounds, why, merged = [], "N_max", None
     for r, N in enumerate(plan):
         delta = N - (plan[r - 1] if r else 0)
         folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
@@ -123,16 +134,13 @@ def sample_adaptive(
                 next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
                 why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
                 break
-        parts.append(load_samples(folder))
-        merged = merge(parts)
-        cs = common_set(merged)
-        est = estimate_on(cs.Y, "robust", robust)
-        check_N = max(1, int(N / math.sqrt(2)))
-        check = estimate_on(common_set(merged.subsample(check_N, seed)).Y, "robust", robust) if est.saturated else est
-        rounds.append(Round(r, N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
-                            check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls()))
-        report(rounds[-1].line())
-        if stopped(est, check):
+        part = load_samples(folder)
+        merged = part if merged is None else merge(merged, part)
+        del part
+        done, stable = assess(r, merged, robust, seed)
+        rounds.append(done)
+        report(done.line())
+        if stable:
             why = "stable"
             break
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})

@@ -60,11 +60,12 @@ class SampledMatrix:
         rng = np.random.default_rng(seed)
         indptr = self.counts.indptr
         drawn = np.empty_like(self.counts.data)
+        new_indptr = np.zeros(self.D + 1, dtype=np.int64)  # per-row kept counts (a cumsum over every entry would cost 8 bytes each)
         for q in range(self.D):
             row = slice(indptr[q], indptr[q + 1])
             drawn[row] = rng.multivariate_hypergeometric(self.counts.data[row], N)
+            new_indptr[q + 1] = new_indptr[q] + np.count_nonzero(drawn[row])
         keep = drawn > 0
-        new_indptr = np.concatenate([[0], np.cumsum(keep)])[indptr]
         indices = self.counts.indices[keep]
         counts = sp.csr_matrix((drawn[keep], indices, new_indptr), shape=self.counts.shape)
         logprobs = sp.csr_matrix((self.logprobs.data[keep], indices, new_indptr), shape=self.counts.shape)
@@ -165,18 +166,29 @@ def load_samples(folder: str | Path) -> SampledMatrix:
         meta = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         raise NVError(f"no sampling manifest in {folder}: run the sampling stage first") from None
-    parts = {k: [] for k in ("indptr", "indices", "logprobs", "counts", "prompt_tokens")}
-    offset = 0
+    paths = []
     for s in range(0, meta["D"], meta["chunk"]):
         path = folder / f"shard-{s:07d}.npz"
         if not _shard_ok(path, min(meta["chunk"], meta["D"] - s)):
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
+        paths.append(path)
+    # filled in place shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation)
+    nnz = 0
+    for path in paths:
         with np.load(path) as z:
-            parts["indptr"].append(z["indptr"][(1 if s else 0) :] + offset)
-            offset += int(z["indptr"][-1])
-            for k in ("indices", "logprobs", "counts", "prompt_tokens"):
-                parts[k].append(z[k])
-    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+            nnz += int(z["indptr"][-1])
+    arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "indices": np.empty(nnz, dtype=np.int32),
+              "logprobs": np.empty(nnz, dtype=np.float32), "counts": np.empty(nnz, dtype=np.int32),
+              "prompt_tokens": np.empty(meta["D"], dtype=np.int32)}
+    row = offset = 0
+    for path in paths:
+        with np.load(path) as z:
+            rows, size = len(z["indptr"]) - 1, int(z["indptr"][-1])
+            arrays["indptr"][row + 1 : row + rows + 1] = z["indptr"][1:] + offset
+            for k in ("indices", "logprobs", "counts"):
+                arrays[k][offset : offset + size] = z[k]
+            arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
+        row, offset = row + rows, offset + size
     shape = (meta["D"], meta["vocab_size"])
     logprobs = sp.csr_matrix((arrays["logprobs"], arrays["indices"], arrays["indptr"]), shape=shape)
     counts = sp.csr_matrix((arrays["counts"], arrays["indices"], arrays["indptr"]), shape=shape)

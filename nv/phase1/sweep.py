@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from nv.errors import NVError
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate, snap
@@ -29,9 +30,13 @@ def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, see
                  ) -> tuple[pd.DataFrame, dict[str, SpectrumEstimate]]:
     """One row per (budget N, estimator); also the estimates at the smallest budget (for its figure).
 
+    Budgets above the sample's own N (an adaptive run that stopped early) are left out, as in the exactness grid.
     ``d_true`` (white-box knowledge) is used for ``rel_error`` and ``covered`` only."""
+    kept = sorted(N for N in budgets if N <= samples.N)
+    if not kept:
+        raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {samples.N:,}: lower sweep.budgets")
     rows, smallest = [], None
-    for N in sorted(budgets):
+    for N in kept:
         sub = samples.subsample(N, seed)
         cs = common_set(sub)
         estimates = estimate_both(cs.Y, spectrum)

@@ -88,9 +88,19 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
         a.semilogy(np.arange(1, len(full_sigma) + 1), full_sigma, color="C2")
         mark_truth(a, d_true)
         a.legend(fontsize=8)
-    a.set_title("(a) full log-prob matrix, white-box, float32 logits (row-centred)")
-    a.set_xlabel("index i")
-    a.set_ylabel("singular value")
+        a.set_title("(a) full log-prob matrix, white-box, float32 logits (row-centred)")
+        a.set_xlabel("index i")
+        a.set_ylabel("singular value")
+    else:  # a black-box run has no white-box spectrum: panel (a) states the verdicts instead of staying empty
+        a.axis("off")
+        found = (f"d_hat_raw = {robust.d_hat_raw} (g = {robust.g}: {robust.d_hat})" if robust.saturated
+                 else f"not saturated: d >= {robust.lower_bound}")
+        lines = ["(a) black-box run: no white-box spectrum", "", f"robust estimator: {found}",
+                 f"paper detector: {paper.reason}" + (f", d_hat_raw = {paper.d_hat_raw}" if paper.d_hat_raw is not None else ""),
+                 f"common-set spectrum: {len(robust.diagnostics['sigma'])} singular values"]
+        if d_true:
+            lines.append(f"true d (white-box, evaluation only): {d_true}")
+        a.text(0.02, 0.95, "\n".join(lines), va="top", fontsize=11, transform=a.transAxes)
     lam = paper.diagnostics["lambda"]
     b.semilogy(np.arange(1, len(lam) + 1), np.maximum(lam, 1e-300), color="C0", label="eigenvalues of G = Y Y^T")
     sig = robust.diagnostics["sigma"]
