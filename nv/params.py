@@ -31,6 +31,8 @@ _PROB: Check = ((int, float), lambda v: 0 < v < 1, "in (0, 1)")
 _OPT_POS_INT: Check = ((int, type(None)), lambda v: v is None or v >= 1, ">= 1 or null")
 _BUDGETS: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
                    "a non-empty list of ints >= 1")
+_TEMPERATURES: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                                                          for x in v), "a non-empty list of numbers > 0")
 
 _FRACTION: Check = ((int, float), lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 _D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and v >= 1), "'phase1' or an int >= 1")
@@ -114,8 +116,8 @@ SCHEMA: dict[str, dict] = {
     "exactness": {
         "D_values": _BUDGETS,
         "N_values": _BUDGETS,
-        "temperatures": (list, lambda v: len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                                                            for x in v), "a non-empty list of numbers > 0"),
+        "temperatures": _TEMPERATURES,
+        "validation_temperatures": _TEMPERATURES,
         "paper_budget": (list, lambda v: len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
                          "[D, N], two ints >= 1"),
     },

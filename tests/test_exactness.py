@@ -12,9 +12,9 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.adaptive import stopped
-from nv.phase1.exactness import adaptive_replay, cheapest_exact, first, grid, outcome
+from nv.phase1.exactness import adaptive_replay, adaptive_stop, cheapest_exact, first, grid, outcome
 from nv.phase1.pipeline import common_set, estimate_on
-from nv.phase1.sampling import collect, load_samples
+from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
@@ -112,6 +112,19 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
                            "N": None, "d_hat_raw": None, "lower_bound": None}])
     table = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert save(grid_figure(table, None, stops), tmp_path / "grid.png").stat().st_size > 20_000
+
+
+def test_adaptive_stop_reads_the_loops_own_record(toy, tmp_path):
+    """Draws the adaptive loop sampled carry its rounds in their manifest: those are the stop, not a replay (a replay
+    of these draws would stop stable at a smaller N); draws of a fixed N are replayed."""
+    oracle, S = toy
+    sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
+    replayed, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
+    fixed = save_samples(S, tmp_path / "fixed")
+    assert adaptive_stop(fixed, S, sampling, SPECTRUM["robust"], 0) == ([vars(r) for r in replayed], why)
+    record = [{"round": 0, "N": S.N, "d_hat_raw": oracle.rank, "lower_bound": None}]
+    looped = save_samples(S, tmp_path / "looped", {"adaptive": record, "stop": "N_max"})
+    assert adaptive_stop(looped, S, sampling, SPECTRUM["robust"], 0) == (record, "N_max")
 
 
 def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):

@@ -7,7 +7,9 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.phase1.sampling import collect, load_samples
+from nv.phase1.sampling import collect, load_samples, observed_mask
+from nv.phase1.pipeline import common_set
+from nv.phase1.prune import greedy_prune
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -111,6 +113,28 @@ def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     assert sub.tokens() * 10 == S.tokens()
     with pytest.raises(NVError, match="sub-budget"):
         S.subsample(30000, seed=1)
+
+
+def test_streamed_mask_and_columns_are_the_full_matrixs(lm32, tmp_path):
+    """observed_mask is the full matrix's pattern; load_samples(columns=mask) holds exactly its entries in those
+    columns; the common set from the mask's pruning equals the full one (benchmarks/paper_scale.py's path)."""
+    prompts = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
+    kw = dict(N=3000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=2, progress=False)
+    folder = collect(Simulator(lm32), prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    S = load_samples(folder)
+    mask = observed_mask(folder)
+    assert mask.dtype == bool and mask.shape == S.counts.shape and ((S.counts > 0) != mask).nnz == 0
+    columns = np.asarray(mask.sum(axis=0)).ravel() >= 3
+    part = load_samples(folder, columns=columns)
+    assert 0 < part.counts.nnz < S.counts.nnz and set(part.counts.indices) == set(np.flatnonzero(columns))
+    for full, kept in ((S.counts, part.counts), (S.logprobs, part.logprobs)):
+        assert (full[:, columns] != kept[:, columns]).nnz == 0 and kept[:, ~columns].nnz == 0
+    assert np.array_equal(part.prompt_tokens, S.prompt_tokens) and (part.N, part.D) == (S.N, S.D)
+    whole, pruned = common_set(S), greedy_prune(mask)
+    kept = np.zeros(S.counts.shape[1], dtype=bool)
+    kept[pruned.cols] = True
+    streamed = common_set(load_samples(folder, columns=kept), pruned)
+    assert whole.Y.shape[1] > 10 and np.array_equal(whole.Y, streamed.Y)
 
 
 def test_diverse_mode_draws_fresh_prompts_every_round(sim):

@@ -3,13 +3,17 @@ and sampling temperature tau, and the cheapest exact cell, in §5's token cost.
 
 Every cell of one (model, tau) sample is nested in both D and N: the first D prompts and, of each, the first N of
 its stored calls (hypergeometric thinning, ``SampledMatrix.subsample``), as the budget sweep (§5.1) is nested in N.
-The true d (white-box) only labels the outcome; the estimators never see it. ``adaptive_replay`` runs the adaptive
-loop's rounds and stop rule (``nv.phase1.adaptive``) on the same nested draws: its stopping point without new calls.
+The true d (white-box) only labels the outcome; the estimators never see it. ``adaptive_stop``: where the adaptive loop
+(``nv.phase1.adaptive``) stops on a model's draws, from the loop's own record when they were sampled adaptively, else
+replayed on the nested draws (``adaptive_replay``): its stopping point without new calls.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,7 +22,7 @@ from tqdm.auto import tqdm
 
 from nv.phase1.adaptive import Round, assess, schedule
 from nv.phase1.pipeline import common_set, estimate_both
-from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
 
@@ -106,3 +110,13 @@ def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -
         if stable:
             return rounds, "stable"
     return rounds, "stored draws"
+
+
+def adaptive_stop(folder: str | Path, S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[dict], str]:
+    """Where ``sampling.N: auto`` stops on the draws in ``folder`` (S, loaded from it): the rounds and stop its manifest
+    records when the loop itself sampled them (the sampling stage at N: auto, same params), else ``adaptive_replay``."""
+    meta = json.loads((Path(folder) / MANIFEST).read_text())
+    if "adaptive" in meta:
+        return meta["adaptive"], meta["stop"]
+    rounds, why = adaptive_replay(S, sampling, robust, seed)
+    return [asdict(r) for r in rounds], why

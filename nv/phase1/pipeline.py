@@ -28,9 +28,10 @@ class CommonSet:
     pruned: Pruned
 
 
-def common_set(sampled: SampledMatrix) -> CommonSet:
-    """Alg. 1 lines 5-7: greedy NaN pruning of Y_hat, then the dense submatrix Y (float64)."""
-    pruned = greedy_prune(sampled.counts)
+def common_set(sampled: SampledMatrix, pruned: Pruned | None = None) -> CommonSet:
+    """Alg. 1 lines 5-7: greedy NaN pruning of Y_hat (or ``pruned``, that of its mask, ``observed_mask``), then the
+    dense submatrix Y (float64)."""
+    pruned = greedy_prune(sampled.counts) if pruned is None else pruned
     Y = sampled.logprobs[pruned.rows][:, pruned.cols].toarray().astype(np.float64)
     return CommonSet(Y, pruned)
 

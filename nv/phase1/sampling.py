@@ -159,9 +159,8 @@ def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None
     return folder
 
 
-def load_samples(folder: str | Path) -> SampledMatrix:
-    """Reassemble Y_hat from the shards written by ``collect``."""
-    folder = Path(folder)
+def _shard_paths(folder: Path) -> tuple[dict, list[Path]]:
+    """The manifest and the checked shard paths of a sampling folder."""
     try:
         meta = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -172,21 +171,55 @@ def load_samples(folder: str | Path) -> SampledMatrix:
         if not _shard_ok(path, min(meta["chunk"], meta["D"] - s)):
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
         paths.append(path)
+    return meta, paths
+
+
+def observed_mask(folder: str | Path) -> sp.csr_matrix:
+    """The D x |V| observation mask of Y_hat (boolean CSR: which tokens each prompt drew), streamed shard by shard from
+    the indices alone: 5 bytes per observed entry against the 12 of ``load_samples`` (greedy pruning needs no more)."""
+    meta, paths = _shard_paths(Path(folder))
+    sizes = []
+    for path in paths:
+        with np.load(path) as z:
+            sizes.append(int(z["indptr"][-1]))
+    indptr, indices = np.zeros(meta["D"] + 1, dtype=np.int64), np.empty(sum(sizes), dtype=np.int32)
+    row = offset = 0
+    for path, size in zip(paths, sizes):  # filled in place: no list of parts beside their concatenation
+        with np.load(path) as z:
+            rows = len(z["indptr"]) - 1
+            indptr[row + 1 : row + rows + 1] = z["indptr"][1:] + offset
+            indices[offset : offset + size] = z["indices"]
+        row, offset = row + rows, offset + size
+    return sp.csr_matrix((np.ones(indices.size, dtype=bool), indices, indptr), shape=(meta["D"], meta["vocab_size"]))
+
+
+def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
+    """Reassemble Y_hat from the shards written by ``collect``; ``columns`` (a boolean mask over the vocabulary): only
+    those tokens' entries are read into memory (a sample too large to hold, e.g. the paper's 20,000 x 10^6)."""
+    meta, paths = _shard_paths(Path(folder))
+
+    def kept(z) -> np.ndarray | slice:
+        return slice(None) if columns is None else columns[z["indices"]]
+
     # filled in place shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation)
     nnz = 0
     for path in paths:
         with np.load(path) as z:
-            nnz += int(z["indptr"][-1])
+            nnz += int(z["indptr"][-1]) if columns is None else int(np.count_nonzero(kept(z)))
     arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "indices": np.empty(nnz, dtype=np.int32),
               "logprobs": np.empty(nnz, dtype=np.float32), "counts": np.empty(nnz, dtype=np.int32),
               "prompt_tokens": np.empty(meta["D"], dtype=np.int32)}
     row = offset = 0
     for path in paths:
         with np.load(path) as z:
-            rows, size = len(z["indptr"]) - 1, int(z["indptr"][-1])
-            arrays["indptr"][row + 1 : row + rows + 1] = z["indptr"][1:] + offset
+            keep, indptr = kept(z), z["indptr"]
+            rows = len(indptr) - 1
+            if columns is not None:  # entries kept per row: a running count of the mask at the row boundaries
+                indptr = np.concatenate([[0], np.cumsum(keep)])[indptr]
+            size = int(indptr[-1])
+            arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
             for k in ("indices", "logprobs", "counts"):
-                arrays[k][offset : offset + size] = z[k]
+                arrays[k][offset : offset + size] = z[k][keep]
             arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
         row, offset = row + rows, offset + size
     shape = (meta["D"], meta["vocab_size"])

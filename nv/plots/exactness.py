@@ -15,7 +15,7 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust) and a circle (paper
     estimator) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
-    length); ``adaptive`` (``exactness.adaptive_replay``'s stops: model, temperature, N, d_hat_raw, stop), a triangle
+    length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model, temperature, N, d_hat_raw, stop), a triangle
     where the adaptive loop stopped on all D prompts."""
     panels = list(table.groupby(["model", "temperature"], sort=False))
     ncols = 2 if len(panels) == 4 else min(len(panels), 3)
