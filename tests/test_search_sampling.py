@@ -7,9 +7,9 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.phase1.sampling import collect, load_samples, observed_mask
 from nv.phase1.pipeline import common_set
 from nv.phase1.prune import greedy_prune
+from nv.phase1.sampling import collect, load_samples, observed_mask
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -115,7 +115,7 @@ def test_subsample_is_the_first_N_calls(lm32, tmp_path):
         S.subsample(30000, seed=1)
 
 
-def test_streamed_mask_and_columns_are_the_full_matrixs(lm32, tmp_path):
+def test_streamed_mask_and_columns_match_the_full_matrix(lm32, tmp_path):
     """observed_mask is the full matrix's pattern; load_samples(columns=mask) holds exactly its entries in those
     columns; the common set from the mask's pruning equals the full one (benchmarks/paper_scale.py's path)."""
     prompts = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
