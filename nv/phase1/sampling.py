@@ -174,41 +174,22 @@ def _shard_paths(folder: Path) -> tuple[dict, list[Path]]:
     return meta, paths
 
 
-def observed_mask(folder: str | Path) -> sp.csr_matrix:
-    """The D x |V| observation mask of Y_hat (boolean CSR: which tokens each prompt drew), streamed shard by shard from
-    the indices alone: 5 bytes per observed entry against the 12 of ``load_samples`` (greedy pruning needs no more)."""
-    meta, paths = _shard_paths(Path(folder))
-    sizes = []
-    for path in paths:
-        with np.load(path) as z:
-            sizes.append(int(z["indptr"][-1]))
-    indptr, indices = np.zeros(meta["D"] + 1, dtype=np.int64), np.empty(sum(sizes), dtype=np.int32)
-    row = offset = 0
-    for path, size in zip(paths, sizes):  # filled in place: no list of parts beside their concatenation
-        with np.load(path) as z:
-            rows = len(z["indptr"]) - 1
-            indptr[row + 1 : row + rows + 1] = z["indptr"][1:] + offset
-            indices[offset : offset + size] = z["indices"]
-        row, offset = row + rows, offset + size
-    return sp.csr_matrix((np.ones(indices.size, dtype=bool), indices, indptr), shape=(meta["D"], meta["vocab_size"]))
-
-
-def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
-    """Reassemble Y_hat from the shards written by ``collect``; ``columns`` (a boolean mask over the vocabulary): only
-    those tokens' entries are read into memory (a sample too large to hold, e.g. the paper's 20,000 x 10^6)."""
+def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarray | None) -> tuple[dict, dict]:
+    """The manifest and Y_hat's CSR arrays (``indptr``, ``prompt_tokens`` and ``fields`` of the shards), filled in place
+    shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation).
+    ``columns`` (a boolean mask over the vocabulary): only those tokens' entries are kept."""
     meta, paths = _shard_paths(Path(folder))
 
     def kept(z) -> np.ndarray | slice:
         return slice(None) if columns is None else columns[z["indices"]]
 
-    # filled in place shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation)
     nnz = 0
     for path in paths:
         with np.load(path) as z:
             nnz += int(z["indptr"][-1]) if columns is None else int(np.count_nonzero(kept(z)))
-    arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "indices": np.empty(nnz, dtype=np.int32),
-              "logprobs": np.empty(nnz, dtype=np.float32), "counts": np.empty(nnz, dtype=np.int32),
-              "prompt_tokens": np.empty(meta["D"], dtype=np.int32)}
+    dtypes = {"indices": np.int32, "logprobs": np.float32, "counts": np.int32}
+    arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "prompt_tokens": np.empty(meta["D"], dtype=np.int32),
+              **{k: np.empty(nnz, dtype=dtypes[k]) for k in fields}}
     row = offset = 0
     for path in paths:
         with np.load(path) as z:
@@ -218,11 +199,25 @@ def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> Sampl
                 indptr = np.concatenate([[0], np.cumsum(keep)])[indptr]
             size = int(indptr[-1])
             arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
-            for k in ("indices", "logprobs", "counts"):
+            for k in fields:
                 arrays[k][offset : offset + size] = z[k][keep]
             arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
         row, offset = row + rows, offset + size
+    return meta, arrays
+
+
+def observed_mask(folder: str | Path) -> sp.csr_matrix:
+    """The D x |V| observation mask of Y_hat (boolean CSR: which tokens each prompt drew), streamed shard by shard from
+    the indices alone: 5 bytes per observed entry against the 12 of ``load_samples`` (greedy pruning needs no more)."""
+    meta, a = _read_shards(folder, ("indices",), None)
+    return sp.csr_matrix((np.ones(a["indices"].size, dtype=bool), a["indices"], a["indptr"]), shape=(meta["D"], meta["vocab_size"]))
+
+
+def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
+    """Reassemble Y_hat from the shards written by ``collect``; ``columns`` (a boolean mask over the vocabulary): only
+    those tokens' entries are read into memory (a sample too large to hold, e.g. the paper's 20,000 x 10^6)."""
+    meta, a = _read_shards(folder, ("indices", "logprobs", "counts"), columns)
     shape = (meta["D"], meta["vocab_size"])
-    logprobs = sp.csr_matrix((arrays["logprobs"], arrays["indices"], arrays["indptr"]), shape=shape)
-    counts = sp.csr_matrix((arrays["counts"], arrays["indices"], arrays["indptr"]), shape=shape)
-    return SampledMatrix(logprobs, counts, arrays["prompt_tokens"], meta["N"], meta["temperature"])
+    logprobs = sp.csr_matrix((a["logprobs"], a["indices"], a["indptr"]), shape=shape)
+    counts = sp.csr_matrix((a["counts"], a["indices"], a["indptr"]), shape=shape)
+    return SampledMatrix(logprobs, counts, a["prompt_tokens"], meta["N"], meta["temperature"])
