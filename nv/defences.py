@@ -24,6 +24,10 @@ Each knob is applied post hoc to what the undefended run observed, where that is
   counted ten times with fresh defence draws (sigma_T scaled by 1/sqrt(10)). The other log-prob knobs are
   deterministic per value: the cell is left empty.
 
+- tokens to exactness (``adaptive_phase1``): where the adaptive loop (``sampling.N: auto``) would stop behind each
+  log-prob setting, replayed on the defended draws down from their N (``nv.phase1.exactness.adaptive_replays``;
+  ``defended_common`` defends only the common set's entries, without copying the draws).
+
 Outcomes: phase 1 as ``nv.phase1.exactness.outcome`` ("exact": d within the detector's interval around d_hat_raw,
 "not saturated" with a lower bound at most d, "wrong" otherwise; the paper estimator's "no estimate"); phase 2
 "stopped" when |L_hat - L| / L exceeds ``L_tolerance``.
@@ -32,15 +36,19 @@ Outcomes: phase 1 as ``nv.phase1.exactness.outcome`` ("exact": d within the dete
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
+
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
 from nv.errors import NVError
-from nv.oracle.defence import Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs, truncation_mask
-from nv.phase1.exactness import outcome
+from nv.oracle.defence import Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
+from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.prune import greedy_prune
 from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sweep import d_interval
 from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 
@@ -96,23 +104,36 @@ def truncated(S: SampledMatrix, served: np.ndarray, N: int, seed: int) -> tuple[
     return SampledMatrix(y, c, S.prompt_tokens, N, S.temperature), short
 
 
-def reported(S: SampledMatrix, defence: Defence, averaged: bool, rng: np.random.Generator, calls_scale: float = 1.0) -> SampledMatrix:
-    """Y_hat as the defended API reports it: ``min_logprob`` drops entries, then noise and rounding of the values.
-
-    Noise: y + N(0, sigma^2 / (c calls_scale)) with c the token's count when ``averaged`` (the counter-measure: the
-    mean of its c calls' values, ``nv.oracle.defence.reported_logprobs`` in distribution), else c = 1."""
+def withheld(S: SampledMatrix, min_logprob: float | None) -> SampledMatrix:
+    """S without the entries whose value is below ``min_logprob`` (the API returns no log-prob for them)."""
+    if min_logprob is None:
+        return S
     y, c = S.logprobs.tocsr(), S.counts.tocsr()
-    if defence.min_logprob is not None:
-        keep = y.data >= defence.min_logprob
-        rows = np.repeat(np.arange(S.D), np.diff(y.indptr))[keep]
-        y = sp.csr_matrix((y.data[keep], (rows, y.indices[keep])), shape=y.shape)
-        c = sp.csr_matrix((c.data[keep], (rows, c.indices[keep])), shape=c.shape)
-    values = y.data.astype(np.float64)
+    keep = y.data >= min_logprob
+    rows = np.repeat(np.arange(S.D), np.diff(y.indptr))[keep]
+    y = sp.csr_matrix((y.data[keep], (rows, y.indices[keep])), shape=y.shape)
+    c = sp.csr_matrix((c.data[keep], (rows, c.indices[keep])), shape=c.shape)
+    return SampledMatrix(y, c, S.prompt_tokens, S.N, S.temperature)
+
+
+def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bool, rng: np.random.Generator,
+                    calls_scale: float = 1.0) -> np.ndarray:
+    """Observed values y of tokens drawn c times as the defended API reports them (float64): noise, then rounding.
+    Noise: y + N(0, sigma^2 / (c calls_scale)) when ``averaged`` (the counter-measure: the mean of its c calls' values,
+    ``nv.oracle.defence.reported_logprobs`` in distribution), else c = 1."""
+    values = np.asarray(y, dtype=np.float64)
     if defence.noise_sigma:
-        per = (c.data if averaged else np.ones_like(c.data)) * calls_scale
-        values = values + defence.noise_sigma / np.sqrt(per) * rng.standard_normal(values.size)
-    values = quantise(values, defence)
-    return SampledMatrix(sp.csr_matrix((values.astype(np.float32), y.indices, y.indptr), shape=y.shape), c,
+        per = (c if averaged else np.ones_like(c)) * calls_scale
+        values = values + defence.noise_sigma / np.sqrt(per) * rng.standard_normal(values.shape)
+    return quantise(values, defence)
+
+
+def reported(S: SampledMatrix, defence: Defence, averaged: bool, rng: np.random.Generator, calls_scale: float = 1.0) -> SampledMatrix:
+    """Y_hat as the defended API reports it: ``withheld`` entries, then ``reported_values``."""
+    S = withheld(S, defence.min_logprob)
+    y = S.logprobs.tocsr()
+    values = reported_values(y.data, S.counts.tocsr().data, defence, averaged, rng, calls_scale)
+    return SampledMatrix(sp.csr_matrix((values.astype(np.float32), y.indices, y.indptr), shape=y.shape), S.counts,
                          S.prompt_tokens, S.N, S.temperature)
 
 
@@ -145,6 +166,72 @@ def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: di
             rows.append({"knob": knob, "setting": label(value), "variant": variant, "short_rows": short,
                          **phase1_cell(reported(base, defence, averaged, rng, scale), spectrum, d_true)})
     return pd.DataFrame(rows)
+
+
+def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int]):
+    """Draws S -> the common-set matrix Y the attacker estimates from through ``defence``, with its counter-measure
+    (averaging): the pattern of S's draws inside the served sets ``served`` (truncation at S.N keeps them all, as
+    ``truncated``) and not ``withheld``, pruned (Alg. 1); noise and rounding (``reported_values``) on Y's entries only,
+    seeded by (``seed``, S.N). The same matrix as ``common_set(reported(truncated(S)))`` (in distribution with noise),
+    without copying S."""
+    def common(S: SampledMatrix) -> np.ndarray:
+        counts = S.counts.tocsr()
+        observed = counts
+        if served is not None or defence.min_logprob is not None:
+            keep = np.ones(counts.nnz, dtype=bool)
+            if served is not None:
+                for q in range(S.D):
+                    part = slice(counts.indptr[q], counts.indptr[q + 1])
+                    keep[part] = served[q, counts.indices[part]]
+            if defence.min_logprob is not None:
+                keep &= S.logprobs.tocsr().data >= defence.min_logprob
+            observed = sp.csr_matrix((keep, counts.indices, counts.indptr), shape=counts.shape)  # pruning drops the zeros
+        cs = common_set(S, greedy_prune(observed))
+        block = counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
+        values = reported_values(cs.Y, block, defence, True, np.random.default_rng([*seed, S.N]))
+        return values.astype(np.float32).astype(np.float64)  # stored as Y_hat stores them (float32), as ``reported``
+    return common
+
+
+def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], sampling: dict,
+                    robust: dict, d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
+    """Tokens to exactness under adaptive sampling (``sampling.N: auto``), per log-prob setting with the attack's
+    counter-measure, on the draws S stored in ``folder``: the round the loop stops at, its cost and estimate, or the
+    last round's lower bound. Undefended: the loop's own stop (``exactness.adaptive_stop``: its record, else its
+    replay). A setting whose cell at S.N in the sweep ``p1`` (``sweep_phase1``, with the counter-measure) is not
+    saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not);
+    the others are replayed on their defended draws (``exactness.adaptive_replays``, down from S.N). A truncated
+    round keeps its N_r calls' draws inside the served sets (N_r times the served mass, as ``sweep_phase1`` at S.N):
+    the attack pays for N_r calls and keeps fewer."""
+    at_top = p1[p1.variant == "attack"].set_index(["knob", "setting"])
+    views, rows = {}, {}
+    for i, (knob, value) in enumerate(knobs):
+        key = (knob, label(value))
+        if knob == "none":
+            rounds, why = adaptive_stop(folder, S, sampling, robust, seed)
+            rows[key] = (rounds, why)
+        elif knob in LOGPROB_KNOBS and pd.isna(at_top.loc[key, "robust_d_hat_raw"]):
+            rows[key] = ([{"N": S.N, "tokens": S.tokens(), "calls": S.calls(),
+                           "lower_bound": at_top.loc[key, "robust_lower_bound"]}], "stored draws")
+        elif knob in LOGPROB_KNOBS:
+            defence = Defence(**{knob: value})
+            served = served_sets(log_probs_T1, S.temperature, defence) if defence.truncates else None
+            views[key], rows[key] = defended_common(defence, served, [seed, i]), None  # rows keep the params order
+    for key, (rounds, why) in adaptive_replays(S, sampling, robust, seed, views).items():
+        rows[key] = ([asdict(r) for r in rounds], why)
+    out = []
+    for (knob, setting), (rounds, why) in rows.items():
+        row = {"knob": knob, "setting": setting, "stop": why, "N": None, "tokens": None, "calls": None,
+               "d_hat_raw": None, "lower_bound": None, "outcome": f"no stop by N = {S.N:,}"}
+        if rounds:
+            last = rounds[-1]
+            row |= {"N": last["N"], "tokens": last["tokens"], "calls": last["calls"], "lower_bound": last["lower_bound"]}
+        if why == "stable":
+            lo, hi = d_interval(last["d_hat_raw"], None)
+            row |= {"d_hat_raw": last["d_hat_raw"], "lower_bound": None,
+                    "outcome": "exact" if lo <= d_true <= hi else "wrong"}
+        out.append(row)
+    return pd.DataFrame(out)
 
 
 # -- phase 2 -------------------------------------------------------------------------------------------
@@ -273,9 +360,19 @@ def sampling_prices(log_probs_T1: np.ndarray, temperature: float, knobs: list[tu
     return pd.DataFrame(rows)
 
 
-def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator: str) -> pd.DataFrame:
+def adaptive_cell(row) -> str:
+    """An ``adaptive_phase1`` row as the results table shows it."""
+    if row.stop == "stable":
+        return f"{row.outcome} ({int(row.d_hat_raw)}) at N = {int(row.N):,}, {row.tokens:.2g} tokens"
+    bound = f" (d >= {int(row.lower_bound)})" if pd.notna(row.lower_bound) else ""
+    return f"{row.outcome}{bound}"
+
+
+def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, adaptive: pd.DataFrame, estimator: str) -> pd.DataFrame:
     """``outputs/defences/results.csv``: one row per (knob, setting): the phase it targets, the attack's outcome
-    without and with its counter-measure (and at 10x), and the provider's cost."""
+    without and with its counter-measure (and at 10x), where the adaptive attack stops (phase 1: tokens to
+    exactness, ``adaptive_phase1``), and the provider's cost."""
+    stops_at = {(r.knob, r.setting): adaptive_cell(r) for r in adaptive.itertuples()}
     rows = []
     for (knob, setting), g in p1.groupby(["knob", "setting"], sort=False, dropna=False):
         v = g.set_index("variant")
@@ -289,7 +386,7 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator:
         price = prices[(prices.knob == knob) & (prices.setting == setting)]
         rows.append({"knob": knob, "setting": setting, "phase": 1, "without_counter": cell("no_counter") or cell("attack"),
                      "with_counter": cell("attack") if "no_counter" in v.index else "", "at_10x": cell("attack_10x"),
-                     "paper_estimator": v.loc["attack", "paper_outcome"],
+                     "adaptive": stops_at.get((knob, setting), ""), "paper_estimator": v.loc["attack", "paper_outcome"],
                      "cost": f"KL {price.kl.iloc[0]:.3g} nats, TV {price.tv.iloc[0]:.3g}" if len(price) and price.kl.iloc[0] > 0 else "none (reported values only)"})
     for (knob, setting), g in p2.groupby(["knob", "setting"], sort=False, dropna=False):
         v = g.set_index("variant")
@@ -299,7 +396,7 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, estimator:
             return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * (r.L_hat / r.L_true - 1):+.0f} %)" if np.isfinite(r.L_hat) \
                 else f"stopped (no fit: {r.note})"
         rows.append({"knob": knob, "setting": setting, "phase": 2, "without_counter": cell("no_counter"),
-                     "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "paper_estimator": "",
+                     "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "adaptive": "", "paper_estimator": "",
                      "cost": f"{v.loc['no_counter', 'added_ms']:,.0f} ms per request"})
     return pd.DataFrame(rows)
 

@@ -46,7 +46,7 @@ STAGES: dict[str, Stage] = {
     "validation_timing": Stage("notebooks/51_validation_timing.ipynb", ("model", "timing"), each="validation.models"),
     "validation": Stage("notebooks/52_validation.ipynb",
                         ("model", "timing", "timing_family", "overall", "spectrum", "validation")),
-    "defences": Stage("notebooks/60_defences.ipynb", ("model", "spectrum", "timing", "timing_family", "defences")),
+    "defences": Stage("notebooks/60_defences.ipynb", ("model", "spectrum", "sampling", "timing", "timing_family", "defences")),
 }
 
 

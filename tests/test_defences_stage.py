@@ -9,7 +9,9 @@ import pytest
 import scipy.sparse as sp
 
 from nv.defences import (
+    adaptive_phase1,
     defend_record,
+    defended_common,
     dither_tokens,
     fastest,
     reported,
@@ -23,6 +25,7 @@ from nv.defences import (
 from nv.errors import NVError
 from nv.oracle.defence import Defence, quantise_latency
 from nv.oracle.multinomial import multinomial_counts
+from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import SampledMatrix, collect, load_samples
 from nv.phase2.protocol import LengthTimings, summarize
 from synthetic import LowRankOracle
@@ -139,10 +142,11 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     the mean needs ten times the calls. Measured outcomes, never a wrong number."""
     oracle = LowRankOracle(rank=12, vocab=300)
     prompts = [f"p{q}" for q in range(80)]
-    S = load_samples(collect(oracle, prompts, 20_000, 1.0, 0, tmp_path / "s", 300, tmp_path / "ck", {"toy": 1}, progress=False))
+    folder = collect(oracle, prompts, 20_000, 1.0, 0, tmp_path / "s", 300, tmp_path / "ck", {"toy": 1}, progress=False)
+    S = load_samples(folder)
     z = np.stack([oracle.W @ np.random.default_rng(list(p.encode())).normal(size=12) for p in prompts])
     T1 = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
-    knobs = settings({"top_k": [8], "noise_sigma": [2.0, 3.0]})
+    knobs = settings({"top_k": [8], "noise_sigma": [2.0, 3.0], "round_decimals": [1]})
     p1 = sweep_phase1(S, knobs, SPECTRUM, 12, 0, T1)
     by = {(r.knob, r.setting, r.variant): r for r in p1.itertuples()}
     assert by[("none", "", "attack")].robust_outcome == "exact" and by[("none", "", "attack")].robust_d_hat_raw == 12
@@ -152,10 +156,26 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     assert by[("noise_sigma", "3.0", "attack")].robust_outcome == "not saturated"
     assert by[("noise_sigma", "3.0", "attack_10x")].robust_outcome == "exact"
     assert (p1.robust_outcome != "wrong").all()
+    # tokens to exactness under adaptive sampling (N_0 = 2,500, doubling, capped at the stored 20,000): undefended the
+    # loop stops exact below the stored N (replayed: these draws are of a fixed N); top-k 8 and noise 3.0 (averaged),
+    # not saturated at 20,000 in the sweep, are not replayed; noise 2.0 and rounding to 1 decimal are
+    adaptive = adaptive_phase1(S, folder, p1, knobs, {"N0": 2_500, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 12, 0, T1)
+    a = adaptive.set_index(["knob", "setting"])
+    none = a.loc[("none", "")]
+    assert none.stop == "stable" and none.outcome == "exact" and none.d_hat_raw == 12 and none.N < S.N
+    assert none.tokens == S.subsample(int(none.N), 0).tokens() and none.calls == S.D * none.N
+    for key in (("top_k", "8"), ("noise_sigma", "3.0")):
+        assert a.loc[key, "stop"] == "stored draws" and a.loc[key, "outcome"] == "no stop by N = 20,000"
+        assert a.loc[key, "lower_bound"] == by[(*key, "attack")].robust_lower_bound
+    assert a.loc[("round_decimals", "1"), "outcome"] == "exact" and a.loc[("round_decimals", "1"), "N"] >= none.N
+    noisy = a.loc[("noise_sigma", "2.0")]
+    assert noisy.outcome == "no stop by N = 20,000" or (noisy.outcome == "exact" and noisy.N >= none.N)
     prices = pd.DataFrame([{"knob": "top_k", "setting": "8", "kl": 0.1, "tv": 0.05}] +
                           [{"knob": "noise_sigma", "setting": s, "kl": 0.0, "tv": 0.0} for s in ("2.0", "3.0")])
-    table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, "robust")
-    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "paper_estimator", "cost"]
+    table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, adaptive, "robust")
+    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "adaptive",
+                                   "paper_estimator", "cost"]
+    assert table.set_index("knob").loc["none", "adaptive"] == f"exact (12) at N = {int(none.N):,}, {none.tokens:.2g} tokens"
     stop = weakest(table).set_index("knob")
     assert stop.loc["top_k", "default budget"].startswith("8 (KL 0.1")
     assert stop.loc["noise_sigma", "default budget"].startswith("3.0 (none")
@@ -191,8 +211,29 @@ def test_phase2_sweep_on_records_of_a_known_law():
     assert by[("latency_quantum_ms", "1000", "no_counter")].added_ms == 500.0
     # the table shows the signed error (L_err is its absolute value)
     table = results(pd.DataFrame(columns=["knob", "setting", "variant"]), p2, pd.DataFrame(columns=["knob", "setting", "kl", "tv"]),
-                    "robust").set_index(["knob", "setting"])
+                    pd.DataFrame(columns=["knob", "setting"]), "robust").set_index(["knob", "setting"])
     attack = by[("latency_quantum_ms", "100", "attack")]
     assert table.loc[("latency_quantum_ms", "100"), "with_counter"] == \
         f"works (L_hat {attack.L_hat:.1f}, {100 * (attack.L_hat / 10 - 1):+.0f} %)" and attack.L_hat < 10
     assert by[("none", "", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for
+
+
+def test_defended_common_set_is_the_common_set_of_the_defended_draws():
+    """The adaptive replay's view applies rounding and noise to the common set's entries only: with a deterministic
+    defence it is exactly the common set of what ``reported`` serves; the threshold and truncation act before the
+    pruning; noise keeps the variance sigma^2 / c of a token drawn c times."""
+    rng = np.random.default_rng(4)
+    p = rng.dirichlet(np.full(40, 0.5))
+    S = matrix(p, 60, 3_000)
+    served = np.zeros((60, 40), dtype=bool)
+    served[:, np.argsort(-p)[:25]] = True
+    for defence, cut in ((Defence(round_decimals=1), None), (Defence(min_logprob=-4.0, round_format="bf16"), None),
+                         (Defence(top_k=25), served)):
+        base = truncated(S, cut, S.N, 0)[0] if cut is not None else S
+        want = common_set(reported(base, defence, True, np.random.default_rng(0))).Y
+        assert np.array_equal(defended_common(defence, cut, [0, 1])(S), want)
+    noisy = defended_common(Defence(noise_sigma=0.5), None, [0, 2])(S)
+    cs = common_set(S)
+    counts = S.counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
+    z = (noisy - cs.Y) * np.sqrt(counts) / 0.5
+    assert abs(z.mean()) < 0.1 and abs(z.std() - 1) < 0.05

@@ -89,18 +89,24 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
 
 def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     """The adaptive loop's rounds and stop rule on the stored nested draws: the first round that meets the rule, with
-    the true rank; every earlier round fails it; the schedule is capped at the stored N."""
+    the true rank, found searching down from the stored N; every round below it fails the rule (checked here on all
+    of them, not only those the search assessed); the schedule is capped at the stored N."""
     oracle, S = toy
     sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
     rounds, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
     assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].N < S.N
-    assert [r.N for r in rounds] == [250 * 2**r for r in range(len(rounds))] and len(rounds) >= 2
+    assert [r.N for r in rounds] == [250 * 2**r.round for r in rounds] and len(rounds) >= 2
+    assert [r.round for r in rounds] == list(range(rounds[0].round, rounds[-1].round + 1))
     assert rounds[-1].tokens == S.subsample(rounds[-1].N, 0).tokens() and rounds[-1].calls == S.D * rounds[-1].N
-    for r in rounds:
-        est = estimate_on(common_set(S.subsample(r.N, 0)).Y, "robust", SPECTRUM["robust"])
-        check = estimate_on(common_set(S.subsample(int(r.N / math.sqrt(2)), 0)).Y, "robust", SPECTRUM["robust"])
-        assert stopped(est, check) == (r is rounds[-1]), r
-    # draws that run out first: the last round is the stored N (here unsaturated); none at all below N_0
+    assessed = {r.N: r for r in rounds}
+    for N in (250 * 2**k for k in range(rounds[-1].round + 1)):
+        est = estimate_on(common_set(S.subsample(N, 0)).Y, "robust", SPECTRUM["robust"])
+        check = estimate_on(common_set(S.subsample(N, 0).subsample(int(N / math.sqrt(2)), 0)).Y, "robust", SPECTRUM["robust"])
+        assert stopped(est, check) == (N == rounds[-1].N), N
+        if N in assessed:
+            assert (assessed[N].saturated, assessed[N].d_hat_raw) == (est.saturated, est.d_hat_raw)
+    # the search ends at an unsaturated round; draws that run out first: the last round is the stored N (here
+    # unsaturated); none at all below N_0
     assert not rounds[0].saturated
     capped, why = adaptive_replay(S.subsample(rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
     assert why == "stored draws" and capped == rounds[:1]

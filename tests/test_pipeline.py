@@ -126,13 +126,18 @@ def check_defences(project: Path) -> None:
     """One row per (knob, setting) and the undefended rows, which reproduce the budget sweep's verdict at the sampling
     N and the timing fit's L_hat of the target on the reference platform exactly."""
     table = pd.read_csv(project / "outputs" / "defences" / "results.csv", keep_default_na=False)
-    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "paper_estimator", "cost"]
+    assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "adaptive",
+                                   "paper_estimator", "cost"]
     swept = [("round_decimals", "1"), ("noise_sigma", "0.1"), ("top_k", "50"), ("latency_quantum_ms", "100"), ("delay_exp_ms", "50")]
     assert set(zip(table.knob, table.setting.astype(str))) == {("none", ""), *swept}
     sweep = pd.read_csv(project / "outputs" / "budget_sweep" / "sweep.csv")
     at_N = sweep[(sweep.N == 5000) & (sweep.method == "robust")].iloc[0]
     undefended = table[(table.knob == "none") & (table.phase == 1)].iloc[0]
     assert undefended.without_counter == f"not saturated (d >= {int(at_N.lower_bound)})"
+    # the adaptive replay of the undefended draws ends, unsaturated, at the stored N = 5,000 with the sweep's bound
+    assert undefended.adaptive == f"no stop by N = 5,000 (d >= {int(at_N.lower_bound)})"
+    adaptive = pd.read_csv(project / "outputs" / "defences" / "adaptive.csv", keep_default_na=False)
+    assert list(zip(adaptive.knob, adaptive.setting.astype(str))) == [("none", ""), *swept[:3]]
     fit = pd.read_csv(project / "outputs" / "timing_fit" / "estimates.csv")
     L_hat = fit[(fit.role == "target") & (fit.calibration == "same platform") & (fit.d_source == "d_hat")].L_hat.iloc[0]
     phase2 = pd.read_csv(project / "outputs" / "defences" / "phase2.csv")

@@ -90,14 +90,22 @@ def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
             and abs(int(estimate_.d_hat_raw) - int(check.d_hat_raw)) <= 1)
 
 
-def assess(r: int, merged: SampledMatrix, robust: dict, seed: int) -> tuple[Round, bool]:
+def assess(r: int, merged: SampledMatrix, robust: dict, seed: int,
+           thinned: Callable[[int], SampledMatrix] | None = None,
+           common: Callable[[SampledMatrix], np.ndarray] | None = None) -> tuple[Round, bool]:
     """Round r on its merged Y_hat (N_r calls per prompt): the robust estimate on the common set and, when saturated,
-    again on the same draws thinned to N_r / sqrt(2); returns the round and whether the stop rule holds."""
-    cs = common_set(merged)
-    est = estimate_on(cs.Y, "robust", robust)
+    again on the same draws thinned to N_r / sqrt(2) (``thinned(check_N)``, default ``merged.subsample``); returns the
+    round and whether the stop rule holds. ``common``: draws -> the matrix Y estimated from (default: the common set,
+    ``common_set(draws).Y``; a defence in between: ``nv.defences``)."""
+    common = common or (lambda draws: common_set(draws).Y)
+    Y = common(merged)
+    est = estimate_on(Y, "robust", robust)
     check_N = max(1, int(merged.N / math.sqrt(2)))
-    check = estimate_on(common_set(merged.subsample(check_N, seed)).Y, "robust", robust) if est.saturated else est
-    done = Round(r, merged.N, cs.Y.shape[0], cs.Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
+    if est.saturated:
+        check = estimate_on(common(thinned(check_N) if thinned else merged.subsample(check_N, seed)), "robust", robust)
+    else:
+        check = est
+    done = Round(r, merged.N, Y.shape[0], Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
                  check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls())
     return done, stopped(est, check)
 

@@ -11,7 +11,7 @@ replayed on the nested draws (``adaptive_replay``): its stopping point without n
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -96,20 +96,53 @@ def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method"
     return pd.DataFrame(rows)
 
 
+def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
+                     views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None]) -> dict[Hashable, tuple[list[Round], str]]:
+    """The adaptive loop (``sampling.N: auto``) replayed on stored draws, once per view of them (draws -> the matrix Y
+    the estimator sees, ``assess``'s ``common``; None: the common set itself; e.g. through a defence: ``nv.defences``).
+    Round r assesses the view of the first N_r calls of each prompt of S as the live loop does (``assess``; thinning is
+    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2); every
+    view shares the round's thinning. The schedule is the loop's, capped at S.N.
+
+    Searched down from S.N: a view's rounds are assessed from the top while saturated. The loop stops at the first
+    round that meets its rule, which needs a saturated estimate; taking every round below an unsaturated one as
+    unsaturated too (more calls per prompt only grow the common set), that is the lowest rule-meeting round of the
+    saturated run at the top, found without thinning the rounds below it. Per view: the rounds assessed up to the
+    stop (ascending) and why the loop stopped there, "stable", or "stored draws" when S.N came first (the live loop
+    would go on to N_max; no round at all when S.N < N_0)."""
+    plan = schedule(sampling["N0"], min(sampling["N_max"], S.N), sampling["growth"]) if S.N >= sampling["N0"] else []
+    rounds = {key: [] for key in views}
+    stop = dict.fromkeys(views)
+    active = list(views)
+    for r in tqdm(range(len(plan) - 1, -1, -1), desc="adaptive replay (down from S.N)", unit="round", disable=len(views) == 1):
+        S_r, checks = S.subsample(plan[r], seed), {}
+
+        def thinned(n: int) -> SampledMatrix:
+            if n not in checks:
+                checks[n] = S_r.subsample(n, seed)
+            return checks[n]
+
+        for key in list(active):
+            done, stable = assess(r, S_r, robust, seed, thinned, views[key])
+            rounds[key].insert(0, done)
+            stop[key] = r if stable else stop[key]
+            if not done.saturated:
+                active.remove(key)
+        del S_r, checks  # before the next round's thinning: one round's draws in memory at a time
+        if not active:
+            break
+    out = {}
+    for key in views:
+        if stop[key] is None:
+            out[key] = (rounds[key], "stored draws")
+        else:
+            out[key] = ([x for x in rounds[key] if x.round <= stop[key]], "stable")
+    return out
+
+
 def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
-    """The adaptive loop (``sampling.N: auto``) replayed on stored draws: round r's merged Y_hat is the first N_r calls
-    of each prompt of S, assessed as the live loop does (``nv.phase1.adaptive.assess``; thinning is exact in
-    distribution: the rounds are nested), with the loop's schedule capped at S.N. Returns the rounds and why they stopped: "stable", or
-    "stored draws" when S.N came first (the live loop would go on to N_max; no round at all when S.N < N_0)."""
-    rounds = []
-    if S.N < sampling["N0"]:
-        return rounds, "stored draws"
-    for r, N in enumerate(schedule(sampling["N0"], min(sampling["N_max"], S.N), sampling["growth"])):
-        done, stable = assess(r, S.subsample(N, seed), robust, seed)
-        rounds.append(done)
-        if stable:
-            return rounds, "stable"
-    return rounds, "stored draws"
+    """``adaptive_replays`` of the draws as they are: the rounds and why they stopped."""
+    return adaptive_replays(S, sampling, robust, seed, {None: None})[None]
 
 
 def adaptive_stop(folder: str | Path, S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[dict], str]:
