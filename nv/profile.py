@@ -26,6 +26,8 @@ def _yaml() -> YAML:
     y = YAML()  # round trip: comments, key order, flow style and quotes survive
     y.preserve_quotes = True
     y.width = 4096
+    y.indent(mapping=2, sequence=4, offset=2)  # params.yaml's block lists: "  key:\n    - item"
+    y.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     return y
 
 

@@ -65,6 +65,10 @@ def test_validation_profile_adds_the_1_5b_and_changes_nothing_else(root, params)
     assert models["qwen-1_5b"]["spec"] == "qwen2.5-coder-1.5b" and models["qwen-1_5b"]["N"] == 1_000_000
     assert max(models["qwen-1_5b"]["budgets"]) == 1_000_000
     assert {k: v for k, v in p.items() if k != "validation"} == {k: v for k, v in default.items() if k != "validation"}
+    # and params.yaml's text outside it is byte for byte the same (its nulls, list indentation and comments)
+    before, after = (root / "params.yaml").read_text().splitlines(), params.read_text().splitlines()
+    assert [line for line in after if line not in before] == [line for line in after if "qwen-1_5b:" in line]
+    assert [line for line in before if line not in after] == []
 
 
 def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(params, tmp_path):
