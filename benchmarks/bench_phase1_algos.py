@@ -9,7 +9,6 @@ a wrong result (a pruned set with a missing entry, a robust estimate other than 
 makes the script exit with status 1.
 """
 
-import resource
 import sys
 import time
 import tracemalloc
@@ -20,35 +19,19 @@ import scipy.sparse as sp
 from nv.phase1.prune import greedy_prune
 from nv.phase1.spectrum import estimate
 
-GIB = 2.0**30
-
-
-def _reset_peak_rss():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: reset VmHWM so the next reading is this step's peak
-    except OSError:
-        pass
-
-
-def _peak_rss() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")) / GIB
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+from _common import GIB, peak_rss, reset_peak_rss, verdict
 
 
 def measure(fn, *args, **kw):
     """Run fn once; return (result, seconds, traced peak GiB, process peak RSS GiB)."""
-    _reset_peak_rss()
+    reset_peak_rss()
     tracemalloc.start()
     t0 = time.perf_counter()
     out = fn(*args, **kw)
     seconds = time.perf_counter() - t0
     traced = tracemalloc.get_traced_memory()[1] / GIB
     tracemalloc.stop()
-    return out, seconds, traced, _peak_rss()
+    return out, seconds, traced, peak_rss()
 
 
 def zipf_mask(D=20_000, V=49_152, seed=0, batch=500):
@@ -149,10 +132,7 @@ def main() -> int:
         wrong.append(f"paper estimate d_hat={paper.d_hat} (raw {paper.d_hat_raw}), planted rank 576 snaps to 640")
     elif paper.reason not in ("ok", "no saddle", "no peak"):
         wrong.append(f"paper estimate reason {paper.reason!r}")
-    for w in wrong:
-        print(f"WRONG RESULT: {w}")
-    print("results: " + ("all correct" if not wrong else f"{len(wrong)} wrong"))
-    return 1 if wrong else 0
+    return verdict(wrong)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from nv.oracle import Simulator
 from nv.oracle.simulator import log_softmax
 from nv.phase1.search import random_prompts
 
+from _common import verdict
+
 
 def best_rate(sim: Simulator, prompts: list[str], repeats: int = 3) -> tuple[float, np.ndarray]:
     """Best prompts/s over ``repeats`` runs, and the logits of the last run."""
@@ -103,10 +105,7 @@ def main() -> int:
     print(f"  Generator.multinomial {numpy_multinomial:7.2f} ms  (x{numpy_multinomial / ours:.1f} slower)")
     print(f"  naive rng.choice      {choice:7.2f} ms  (x{choice / ours:.1f} slower)")
     wrong += check_draws(multinomial_counts(np.random.default_rng(1), n, p), n, p)
-    for w in wrong:
-        print(f"WRONG RESULT: {w}")
-    print("results: " + ("all correct" if not wrong else f"{len(wrong)} wrong"))
-    return 1 if wrong else 0
+    return verdict(wrong)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_phase1_algos import _peak_rss, _reset_peak_rss
 from nv.oracle import Simulator
 from nv.phase1.exactness import outcome
 from nv.phase1.pipeline import common_set, estimate_both
@@ -29,16 +28,18 @@ from nv.phase1.sampling import collect, load_samples, observed_mask
 from nv.phase1.search import random_prompts
 from nv.params import load_params
 
+from _common import peak_rss, reset_peak_rss
+
 ROOT = Path(__file__).resolve().parent.parent
 PEAKS: list[float] = []  # each step's peak RSS (GiB): the run's peak is their maximum
 
 
 def step(name: str, fn, *args, **kw):
     """Run one step; print its wall time and the process's peak RSS during it."""
-    _reset_peak_rss()
+    reset_peak_rss()
     t0 = time.perf_counter()
     out = fn(*args, **kw)
-    PEAKS.append(_peak_rss())
+    PEAKS.append(peak_rss())
     print(f"{name:<28} {time.perf_counter() - t0:8.1f} s   peak RSS {PEAKS[-1]:6.2f} GiB", flush=True)
     return out
 

@@ -1,0 +1,30 @@
+"""What every benchmark shares: the process's peak resident set per step, and the verdict line on wrong results."""
+
+import resource
+
+GIB = 2.0**30
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM so the next reading is this step's peak
+    except OSError:
+        pass
+
+
+def peak_rss() -> float:
+    """Peak resident set in GiB since the last ``reset_peak_rss`` (Linux), else since the process started."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")) / GIB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def verdict(wrong: list[str]) -> int:
+    """Print every wrong result and the summary line; the exit status (1 if any result is wrong)."""
+    for w in wrong:
+        print(f"WRONG RESULT: {w}")
+    print("results: " + ("all correct" if not wrong else f"{len(wrong)} wrong"))
+    return 1 if wrong else 0
