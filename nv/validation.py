@@ -13,8 +13,11 @@ true ratios (an oracle, for comparison), and the attacker-side estimate from the
 
 Intervals (90 % nominal): d from the detector (``nv.phase1.sweep.d_interval``); L and P_ne from the leave-one-out
 residuals of the same calibration's references, L_hat exp(+-q) with q the largest |log(L_hat/L)| among them (split
-conformal: level n/(n+1) for n references); P spans the tied and untied totals, widened the same way. Coverage is
-counted over every (model, budget).
+conformal: level n/(n+1) for n references); P spans the tied and untied totals, widened the same way. That holds
+for a target exchangeable with the references; a target of another family (a wider MLP, say) moves the two depth
+estimators apart, so the headline interval is the ``hull`` of both estimators' intervals (as wide as the attacker's
+own estimators disagree), and the rule's estimator's interval alone is kept beside it (``_rule``). Coverage of both
+is counted over every (model, budget).
 """
 
 from __future__ import annotations
@@ -115,6 +118,19 @@ def _conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
     return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.all() and len(ok) >= 2 else np.inf
 
 
+def hull(estimates: list, q: list) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest interval holding each estimator's conformal interval [x exp(-q_x), x exp(q_x)] (arrays over cases;
+    an estimator without a positive estimate is left out; none: NaN; an infinite q_x: [0, inf])."""
+    x = np.asarray(estimates, dtype=np.float64)
+    q = np.broadcast_to(np.asarray(q, dtype=np.float64), x.shape)
+    ok = np.isfinite(x) & (x > 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lo = np.where(ok, x * np.exp(-q), np.inf).min(axis=0)
+        hi = np.where(ok, x * np.exp(q), -np.inf).max(axis=0)
+    none = ~ok.any(axis=0)
+    return np.where(none, np.nan, lo), np.where(none, np.nan, hi)
+
+
 def _held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
     """held_out for ``g`` on its platform plus the attacker-side P_ne_hat for both depth estimators."""
     reference = next(iter(recs))
@@ -148,9 +164,11 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                 scores[name] = np.nanmedian(err) if np.isfinite(err).any() else np.inf
             rule = min(scores, key=scores.get)
             key = ESTIMATORS[rule]
-            q_L = _conformal(ref_rows.get(key, pd.Series(np.nan)).to_numpy(float), ref_rows.L_true.to_numpy(float))
-            P_ne_ref = ref_rows.get(f"P_ne_hat_{rule}", pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
-            q_P = _conformal(P_ne_ref, ref_rows.P_ne_true.to_numpy(float))
+            q = {}  # each estimator's conformal half-widths, for L and for P_ne
+            for name, column in ESTIMATORS.items():
+                for what, est, truth in (("L", column, "L_true"), ("P", f"P_ne_hat_{name}", "P_ne_true")):
+                    values = ref_rows.get(est, pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
+                    q[f"q_{what}_{name}"] = _conformal(values, ref_rows[truth].to_numpy(float))
             for K in trial_counts:
                 if K > g["trials"]:
                     continue
@@ -163,7 +181,8 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
                              "rule": rule, "median_ref_err_basic": scores["basic"], "median_ref_err_eq10": scores["eq10"],
-                             "L_hat_rule": row.get(key, np.nan), "P_ne_hat": row.get(f"P_ne_hat_{rule}", np.nan), "q_L": q_L, "q_P": q_P})
+                             "L_hat_rule": row.get(key, np.nan), "P_ne_hat": row.get(f"P_ne_hat_{rule}", np.nan),
+                             "q_L": q[f"q_L_{rule}"], "q_P": q[f"q_P_{rule}"], **q})
     table = pd.DataFrame(rows)
     reference = next(iter(records))
     table["calibration"] = np.where(table.platform == reference, "same platform", f"{reference} -> " + table.platform)
@@ -186,11 +205,14 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
     out["lower_bound"] = cases.lower_bound
     out["L_hat"] = cases.L_hat_rule * scale
     out["L_hat_basic"], out["L_hat_eq10"] = cases.L_hat * scale, cases.L_hat_eq10 * scale
-    out["L_lo"], out["L_hi"] = out.L_hat * np.exp(-cases.q_L), out.L_hat * np.exp(cases.q_L)
+    out["L_lo_rule"], out["L_hi_rule"] = out.L_hat * np.exp(-cases.q_L), out.L_hat * np.exp(cases.q_L)
+    out["L_lo"], out["L_hi"] = hull([out.L_hat_basic, out.L_hat_eq10], [cases.q_L_basic, cases.q_L_eq10])
     V = cases.vocab_size.astype(float)
     out["P_hat"] = prefill.param_range(cases.P_ne_hat, d_hat, V)[2]
-    out["P_lo"] = prefill.param_range(cases.P_ne_hat * np.exp(-cases.q_P), d_hat, V)[0]
-    out["P_hi"] = prefill.param_range(cases.P_ne_hat * np.exp(cases.q_P), d_hat, V)[1]
+    out["P_lo_rule"] = prefill.param_range(cases.P_ne_hat * np.exp(-cases.q_P), d_hat, V)[0]
+    out["P_hi_rule"] = prefill.param_range(cases.P_ne_hat * np.exp(cases.q_P), d_hat, V)[1]
+    P_ne_lo, P_ne_hi = hull([cases.P_ne_hat_basic, cases.P_ne_hat_eq10], [cases.q_P_basic, cases.q_P_eq10])
+    out["P_lo"], out["P_hi"] = prefill.param_range(P_ne_lo, d_hat, V)[0], prefill.param_range(P_ne_hi, d_hat, V)[1]
     eq3 = [(total_params(d, L, v, kv_ratio, ffn_ratio, False), total_params(d, L, v, kv, ffn, tie)) if d > 0 and L > 0 else (np.nan, np.nan)
            for d, L, v, kv, ffn, tie in zip(d_hat.fillna(0), out.L_hat.fillna(0), V, cases.kv_true, cases.ffn_true, cases.tied_true)]
     out["P_hat_paper"], out["P_hat_oracle"] = [e[0] for e in eq3], [e[1] for e in eq3]
@@ -198,6 +220,8 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
         truth = out[f"{what}_true"].astype(float)
         out[f"{what}_err"] = (out[f"{what}_hat"] - truth) / truth
         out[f"{what}_covered"] = (out[f"{what}_lo"] <= truth) & (truth <= out[f"{what}_hi"])
+        if what != "d":
+            out[f"{what}_covered_rule"] = (out[f"{what}_lo_rule"] <= truth) & (truth <= out[f"{what}_hi_rule"])
     out.loc[~out.saturated, ["L_err", "P_err"]] = np.nan  # no d_hat: phase 2 has nothing to start from
     out["P_err_paper"] = (out.P_hat_paper - out.P_true) / out.P_true
     out["P_err_oracle"] = (out.P_hat_oracle - out.P_true) / out.P_true
@@ -212,16 +236,22 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
 def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
     """Empirical coverage of the 90 % intervals: d over every (model, phase-1 budget); L and P over every
     (model, phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where a
-    calibration model gave no fit, covers trivially: counted apart as uninformative); pooled over all three."""
+    calibration model gave no fit, covers trivially: counted apart as uninformative); pooled over all three. The
+    headline intervals (the hull of both depth estimators') first, then the rule's estimator's alone (``rule``)."""
     d = phase1[phase1.method == estimator].covered.astype(bool)
     with_d = cases[cases.saturated & cases.L_hat.notna()]
-    L = with_d[np.isfinite(with_d.L_hi)].L_covered.astype(bool)
-    P = with_d[np.isfinite(with_d.P_hi)].P_covered.astype(bool)
-    pooled = pd.concat([d, L, P])
-    return {"d": float(d.mean()), "d_cases": int(len(d)), "L": float(L.mean()) if len(L) else None, "L_cases": int(len(L)),
-            "P": float(P.mean()) if len(P) else None, "P_cases": int(len(P)),
-            "uninformative": int((~np.isfinite(with_d.L_hi)).sum() + (~np.isfinite(with_d.P_hi)).sum()),
-            "all": float(pooled.mean()), "cases": int(len(pooled))}
+
+    def count(suffix: str) -> dict:
+        finite = {w: with_d[np.isfinite(with_d[f"{w}_hi{suffix}"])] for w in ("L", "P")}
+        L, P = (finite[w][f"{w}_covered{suffix}"].astype(bool) for w in ("L", "P"))
+        width = {f"{w}_width": float(np.median(f[f"{w}_hi{suffix}"] / f[f"{w}_lo{suffix}"])) if len(f) else None
+                 for w, f in finite.items()}  # the median hi / lo of the finite intervals: how informative they are
+        pooled = pd.concat([d, L, P])
+        return width | {"d": float(d.mean()), "d_cases": int(len(d)), "L": float(L.mean()) if len(L) else None, "L_cases": int(len(L)),
+                "P": float(P.mean()) if len(P) else None, "P_cases": int(len(P)),
+                "uninformative": int((~np.isfinite(with_d[f"L_hi{suffix}"])).sum() + (~np.isfinite(with_d[f"P_hi{suffix}"])).sum()),
+                "all": float(pooled.mean()), "cases": int(len(pooled))}
+    return count("") | {"rule": count("_rule")}
 
 
 def headline(cases: pd.DataFrame) -> pd.DataFrame:
@@ -231,8 +261,8 @@ def headline(cases: pd.DataFrame) -> pd.DataFrame:
 
 
 METRIC_KEYS = ["model", "d_true", "d_hat_raw", "d_hat", "d_lo", "d_hi", "saturated", "lower_bound", "tokens", "calls", "usd", "wall_s",
-               "L_true", "L_hat", "L_lo", "L_hi", "L_err", "rule", "L_hat_basic", "L_hat_eq10", "P_true", "P_hat", "P_lo", "P_hi",
-               "P_err", "P_hat_paper", "P_err_paper", "P_hat_oracle", "P_err_oracle"]
+               "L_true", "L_hat", "L_lo", "L_hi", "L_lo_rule", "L_hi_rule", "L_err", "rule", "L_hat_basic", "L_hat_eq10", "P_true",
+               "P_hat", "P_lo", "P_hi", "P_lo_rule", "P_hi_rule", "P_err", "P_hat_paper", "P_err_paper", "P_hat_oracle", "P_err_oracle"]
 
 
 def metrics(cases: pd.DataFrame, cover: dict, reference_platform: str) -> dict:
@@ -261,8 +291,9 @@ def _py(value):
 
 TABLE = {"model": "model", "setup": "references", "calibration": "timing calibration", "d_true": "d", "d_hat_raw": "d_hat raw",
          "d_hat": "d_hat (g=64)", "d_interval": "d 90 %", "L_true": "L", "L_hat": "L_hat", "L_interval": "L 90 %",
+         "L_interval_rule": "L 90 % (rule's estimator alone)",
          "rule": "L rule", "L_hat_basic": "L_hat basic", "L_hat_eq10": "L_hat Eq. 10", "P_true": "P (M)", "P_hat": "P_hat (M)",
-         "P_interval": "P 90 % (M)", "P_hat_paper": "P_hat paper ratios (M)", "P_hat_oracle": "P_hat true ratios (M)",
+         "P_interval": "P 90 % (M)", "P_interval_rule": "P 90 % (M, rule's estimator alone)", "P_hat_paper": "P_hat paper ratios (M)", "P_hat_oracle": "P_hat true ratios (M)",
          "tokens": "tokens", "calls": "calls", "usd": "USD", "wall_s": "wall (s)"}
 
 
@@ -274,7 +305,9 @@ def results_table(cases: pd.DataFrame) -> pd.DataFrame:
                 for a, b in zip(lo, hi)]
     top["d_interval"] = span(top.d_lo, top.d_hi)
     top["L_interval"] = span(top.L_lo, top.L_hi, fmt="{:.1f}")
+    top["L_interval_rule"] = span(top.L_lo_rule, top.L_hi_rule, fmt="{:.1f}")
     top["P_interval"] = span(top.P_lo, top.P_hi, 1e6)
+    top["P_interval_rule"] = span(top.P_lo_rule, top.P_hi_rule, 1e6)
     top["setup"] = top.setup.map({"F": "F (random weights)", "all": "all timed models"})
     for column in ("P_true", "P_hat", "P_hat_paper", "P_hat_oracle"):
         top[column] = top[column] / 1e6

@@ -155,8 +155,8 @@ def check_validation(project: Path) -> None:
     assert set(entries) == {"embedded", "qwen2.5-coder-0.5b"}
     truth = {"embedded": (576, 30, 134_515_008), "qwen2.5-coder-0.5b": (896, 24, 630_167_424)}
     for name, entry in entries.items():
-        for key in ("model", "d_true", "d_hat_raw", "saturated", "tokens", "L_true", "L_hat", "L_lo", "L_hi", "P_true", "P_hat",
-                    "P_lo", "P_hi", "P_hat_paper", "P_hat_oracle"):
+        for key in ("model", "d_true", "d_hat_raw", "saturated", "tokens", "L_true", "L_hat", "L_lo", "L_hi", "L_lo_rule",
+                    "L_hi_rule", "P_true", "P_hat", "P_lo", "P_hi", "P_lo_rule", "P_hi_rule", "P_hat_paper", "P_hat_oracle"):
             assert key in entry, (name, key)
         assert (entry["d_true"], entry["L_true"], entry["P_true"]) == truth[name]
         assert entry["saturated"] is False and entry["d_hat_raw"] is None and entry["L_hat"] is None  # no d_hat: no phase 2
@@ -173,7 +173,8 @@ def check_validation(project: Path) -> None:
     # for a positive per-parameter cost: the calibration then says so instead of giving a number)
     explained = same.note_prefill.astype(str).str.contains("prefill calibration")
     assert (same.L_hat_rule > 0).all() and (same.P_ne_hat.notna() | explained).all(), same
-    assert summary["coverage"]["d_cases"] == 3 and summary["coverage"]["d"] == 1.0  # lower bounds below the truth
+    for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
+        assert cover["d_cases"] == 3 and cover["d"] == 1.0  # lower bounds below the truth
     # where the time went: one line per executed stage (per item), from papermill's record, and the total
     times = subprocess.run([str(BIN / "python"), "-m", "nv.stage", "times"], cwd=project, capture_output=True, text=True, check=True)
     lines = times.stdout.splitlines()
