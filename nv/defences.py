@@ -82,14 +82,35 @@ def served_sets(log_probs_T1: np.ndarray, temperature: float, defence: Defence) 
     return np.stack([np.isfinite(served_log_probs(y, temperature, defence)) for y in log_probs_T1])
 
 
+def kept(S: SampledMatrix, served: np.ndarray | None, min_logprob: float | None) -> np.ndarray:
+    """Per stored entry of S (CSR order): drawn inside its prompt's served set ``served`` (None: every token) and
+    not withheld (its value >= ``min_logprob``; None: every value)."""
+    counts = S.counts.tocsr()
+    keep = np.ones(counts.nnz, dtype=bool)
+    if served is not None:
+        for q in range(S.D):  # per prompt: a (prompt, token) index array over every entry would cost 8 bytes each
+            part = slice(counts.indptr[q], counts.indptr[q + 1])
+            keep[part] = served[q, counts.indices[part]]
+    if min_logprob is not None:
+        keep &= S.logprobs.tocsr().data >= min_logprob
+    return keep
+
+
+def _entries(S: SampledMatrix, keep: np.ndarray, counts: np.ndarray, N: int) -> SampledMatrix:
+    """S restricted to its entries ``keep`` (CSR order), with those entries' draw counts ``counts``."""
+    c, y = S.counts.tocsr(), S.logprobs.tocsr()
+    indptr = np.concatenate([[0], np.cumsum(keep)])[c.indptr]
+    return SampledMatrix(sp.csr_matrix((y.data[keep], c.indices[keep], indptr), shape=c.shape),
+                         sp.csr_matrix((counts, c.indices[keep], indptr), shape=c.shape), S.prompt_tokens, N,
+                         S.temperature)
+
+
 def truncated(S: SampledMatrix, served: np.ndarray, N: int, seed: int) -> tuple[SampledMatrix, int]:
     """N truncated calls per prompt from S's untruncated draws: the draws inside each prompt's served set, thinned
     to N (multivariate hypergeometric). Returns the matrix and the number of prompts with fewer than N such draws."""
     rng = np.random.default_rng(seed)
-    counts, logprobs = S.counts.tocsr(), S.logprobs.tocsr()
-    rows = np.repeat(np.arange(S.D), np.diff(counts.indptr))
-    inside = served[rows, counts.indices]
-    drawn = np.where(inside, counts.data, 0)
+    counts = S.counts.tocsr()
+    drawn = np.where(kept(S, served, None), counts.data, 0)
     short = 0
     for q in range(S.D):
         part = slice(counts.indptr[q], counts.indptr[q + 1])
@@ -97,23 +118,15 @@ def truncated(S: SampledMatrix, served: np.ndarray, N: int, seed: int) -> tuple[
             drawn[part] = rng.multivariate_hypergeometric(drawn[part], N)
         else:
             short += int(drawn[part].sum() < N)
-    keep = drawn > 0
-    indptr = np.concatenate([[0], np.cumsum(keep)])[counts.indptr]
-    c = sp.csr_matrix((drawn[keep], counts.indices[keep], indptr), shape=counts.shape)
-    y = sp.csr_matrix((logprobs.data[keep], counts.indices[keep], indptr), shape=counts.shape)
-    return SampledMatrix(y, c, S.prompt_tokens, N, S.temperature), short
+    return _entries(S, drawn > 0, drawn[drawn > 0], N), short
 
 
 def withheld(S: SampledMatrix, min_logprob: float | None) -> SampledMatrix:
     """S without the entries whose value is below ``min_logprob`` (the API returns no log-prob for them)."""
     if min_logprob is None:
         return S
-    y, c = S.logprobs.tocsr(), S.counts.tocsr()
-    keep = y.data >= min_logprob
-    rows = np.repeat(np.arange(S.D), np.diff(y.indptr))[keep]
-    y = sp.csr_matrix((y.data[keep], (rows, y.indices[keep])), shape=y.shape)
-    c = sp.csr_matrix((c.data[keep], (rows, c.indices[keep])), shape=c.shape)
-    return SampledMatrix(y, c, S.prompt_tokens, S.N, S.temperature)
+    keep = kept(S, None, min_logprob)
+    return _entries(S, keep, S.counts.tocsr().data[keep], S.N)
 
 
 def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bool, rng: np.random.Generator,
@@ -177,15 +190,8 @@ def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int]
     def common(S: SampledMatrix) -> np.ndarray:
         counts = S.counts.tocsr()
         observed = counts
-        if served is not None or defence.min_logprob is not None:
-            keep = np.ones(counts.nnz, dtype=bool)
-            if served is not None:
-                for q in range(S.D):
-                    part = slice(counts.indptr[q], counts.indptr[q + 1])
-                    keep[part] = served[q, counts.indices[part]]
-            if defence.min_logprob is not None:
-                keep &= S.logprobs.tocsr().data >= defence.min_logprob
-            observed = sp.csr_matrix((keep, counts.indices, counts.indptr), shape=counts.shape)  # pruning drops the zeros
+        if served is not None or defence.min_logprob is not None:  # pruning drops the zeros
+            observed = sp.csr_matrix((kept(S, served, defence.min_logprob), counts.indices, counts.indptr), shape=counts.shape)
         cs = common_set(S, greedy_prune(observed))
         block = counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
         values = reported_values(cs.Y, block, defence, True, np.random.default_rng([*seed, S.N]))
