@@ -126,9 +126,12 @@ def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: floa
     return fig
 
 
+TOP = 150  # the error axis' upper end (%)
+
+
 def L_P_errors(top: pd.DataFrame):
-    """Per-model signed errors at the full budget: L by both estimators and the rule, P attacker-side (with its
-    90 % interval), with the paper's default ratios and with the true ratios; one panel per setup."""
+    """Per-model signed errors at the full budget: L by both estimators and the rule, P attacker-side (with their
+    90 % intervals: the hull and the rule's estimator's), with the paper's default ratios and with the true ratios; one panel per setup."""
     setups = list(dict.fromkeys(top.setup))
     fig, axes = plt.subplots(len(setups), 1, figsize=(13, 4.2 * len(setups)), squeeze=False)
     bars = [("L_hat_basic", "L basic (§4.2)", "L_true"), ("L_hat_eq10", "L Eq. 10", "L_true"), ("L_hat", "L rule", "L_true"),
@@ -144,17 +147,20 @@ def L_P_errors(top: pd.DataFrame):
             for xi, e in zip(x, err):
                 if not np.isfinite(e):
                     ax.text(xi, 0, "no fit", rotation=90, fontsize=6, ha="center", va="bottom", color="red")
-            if col in ("L_hat", "P_hat"):
-                lo, hi = (100 * (rows[f"{col[0]}_{b}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
-                ax.errorbar(x, err.fillna(0), yerr=[(err - lo).clip(lower=0).fillna(0), (hi - err).clip(lower=0).fillna(0)],
-                            fmt="none", ecolor="k", lw=1, capsize=2)
+            if col in ("L_hat", "P_hat"):  # thick: the rule's estimator's interval; thin: the hull of both estimators'
+                for suffix, style in (("_rule", {"ecolor": "0.55", "lw": 4, "capsize": 0}), ("", {"ecolor": "k", "lw": 1, "capsize": 2})):
+                    lo, hi = (100 * (rows[f"{col[0]}_{b}{suffix}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
+                    hi = hi.clip(upper=TOP)  # an infinite interval runs off the top
+                    ax.errorbar(x, err.fillna(0), yerr=[(err - lo).clip(lower=0).fillna(0), (hi - err).clip(lower=0).fillna(0)],
+                                fmt="none", **style)
         ax.axhline(0, color="k", lw=0.8)
         for y in (-25, 25):
             ax.axhline(y, color="0.6", ls=":", lw=0.8)
         ax.set_xticks(np.arange(len(rows)), labels, fontsize=7)
         ax.set_ylabel("signed relative error (%)")
-        ax.set_ylim(-100, 150)
-        ax.set_title(f"references: {setup} (whiskers: 90 % intervals; dotted: +-25 %)")
+        ax.set_ylim(-100, TOP)
+        ax.set_title(f"references: {setup} (90 % intervals, thin: hull of both depth estimators', thick: the rule's "
+                     "estimator's; off the top: infinite; dotted: +-25 %)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     return fig
