@@ -157,18 +157,17 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
             recs = _setup(records, g, setup)
             # the calibration's own references, each held out in turn: the attacker's error estimate
             ref_rows = pd.DataFrame([_held_out_all(recs, r, timing) for r in recs[g["platform"]] if r["role"] == "reference"])
-            scores = {}
+            def column(name: str) -> np.ndarray:
+                return ref_rows.get(name, pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
+
+            scores, q = {}, {}  # per estimator: the rule's score (median error) and the conformal half-widths of L, P_ne
             for name, key in ESTIMATORS.items():
-                L_ref = ref_rows.get(key, pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
-                err = np.abs(L_ref / ref_rows.L_true.to_numpy(float) - 1)
+                err = np.abs(column(key) / column("L_true") - 1)
                 scores[name] = np.nanmedian(err) if np.isfinite(err).any() else np.inf
+                q[f"q_L_{name}"] = _conformal(column(key), column("L_true"))
+                q[f"q_P_{name}"] = _conformal(column(f"P_ne_hat_{name}"), column("P_ne_true"))
             rule = min(scores, key=scores.get)
             key = ESTIMATORS[rule]
-            q = {}  # each estimator's conformal half-widths, for L and for P_ne
-            for name, column in ESTIMATORS.items():
-                for what, est, truth in (("L", column, "L_true"), ("P", f"P_ne_hat_{name}", "P_ne_true")):
-                    values = ref_rows.get(est, pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
-                    q[f"q_{what}_{name}"] = _conformal(values, ref_rows[truth].to_numpy(float))
             for K in trial_counts:
                 if K > g["trials"]:
                     continue
@@ -249,7 +248,7 @@ def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
         pooled = pd.concat([d, L, P])
         return width | {"d": float(d.mean()), "d_cases": int(len(d)), "L": float(L.mean()) if len(L) else None, "L_cases": int(len(L)),
                 "P": float(P.mean()) if len(P) else None, "P_cases": int(len(P)),
-                "uninformative": int((~np.isfinite(with_d[f"L_hi{suffix}"])).sum() + (~np.isfinite(with_d[f"P_hi{suffix}"])).sum()),
+                "uninformative": 2 * len(with_d) - len(L) - len(P),
                 "all": float(pooled.mean()), "cases": int(len(pooled))}
     return count("") | {"rule": count("_rule")}
 
