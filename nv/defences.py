@@ -193,7 +193,7 @@ def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int]
         if served is not None or defence.min_logprob is not None:  # pruning drops the zeros
             observed = sp.csr_matrix((kept(S, served, defence.min_logprob), counts.indices, counts.indptr), shape=counts.shape)
         cs = common_set(S, greedy_prune(observed))
-        block = counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
+        block = counts[:, cs.pruned.cols][cs.pruned.rows].toarray()  # columns first, as common_set
         values = reported_values(cs.Y, block, defence, True, np.random.default_rng([*seed, S.N]))
         return values.astype(np.float32).astype(np.float64)  # stored as Y_hat stores them (float32), as ``reported``
     return common

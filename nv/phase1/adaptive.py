@@ -90,24 +90,17 @@ def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
             and abs(int(estimate_.d_hat_raw) - int(check.d_hat_raw)) <= 1)
 
 
-def assess(r: int, merged: SampledMatrix, robust: dict, seed: int,
-           thinned: Callable[[int], SampledMatrix] | None = None,
-           common: Callable[[SampledMatrix], np.ndarray] | None = None) -> tuple[Round, bool]:
-    """Round r on its merged Y_hat (N_r calls per prompt): the robust estimate on the common set and, when saturated,
-    again on the same draws thinned to N_r / sqrt(2) (``thinned(check_N)``, default ``merged.subsample``); returns the
-    round and whether the stop rule holds. ``common``: draws -> the matrix Y estimated from (default: the common set,
-    ``common_set(draws).Y``; a defence in between: ``nv.defences``)."""
-    common = common or (lambda draws: common_set(draws).Y)
-    Y = common(merged)
-    est = estimate_on(Y, "robust", robust)
-    check_N = max(1, int(merged.N / math.sqrt(2)))
-    if est.saturated:
-        check = estimate_on(common(thinned(check_N) if thinned else merged.subsample(check_N, seed)), "robust", robust)
-    else:
-        check = est
-    done = Round(r, merged.N, Y.shape[0], Y.shape[1], est.saturated, est.d_hat_raw, est.lower_bound, check_N,
-                 check.d_hat_raw if est.saturated else None, merged.tokens(), merged.calls())
-    return done, stopped(est, check)
+def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict, robust: dict,
+           check: Callable[[int], np.ndarray]) -> tuple[Round, bool]:
+    """Round r from the robust estimate ``est`` on its matrix Y (``shape``: D' x |C|; the common set of its merged
+    Y_hat of N_r = ``budget["N"]`` calls per prompt, or a view of it, ``nv.defences``) and its cost
+    (``SampledMatrix.budget``): when saturated, estimated again on ``check(N_r / sqrt(2))``, the matrix of the same
+    draws thinned to that N (hypergeometric); returns the round and whether the stop rule holds."""
+    check_N = max(1, int(budget["N"] / math.sqrt(2)))
+    checked = estimate_on(check(check_N), "robust", robust) if est.saturated else est
+    done = Round(r, budget["N"], *shape, est.saturated, est.d_hat_raw, est.lower_bound, check_N,
+                 checked.d_hat_raw if est.saturated else None, budget["tokens"], budget["calls"])
+    return done, stopped(est, checked)
 
 
 def sample_adaptive(
@@ -145,7 +138,9 @@ def sample_adaptive(
         part = load_samples(folder)
         merged = part if merged is None else merge(merged, part)
         del part
-        done, stable = assess(r, merged, robust, seed)
+        Y = common_set(merged).Y
+        done, stable = assess(r, estimate_on(Y, "robust", robust), Y.shape, merged.budget(), robust,
+                              lambda n: common_set(merged.subsample(n, seed)).Y)
         rounds.append(done)
         report(done.line())
         if stable:

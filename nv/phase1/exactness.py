@@ -21,7 +21,7 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.phase1.adaptive import Round, assess, schedule
-from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.pipeline import common_set, estimate_both, estimate_on
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
@@ -71,6 +71,7 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
                              "d_hat_raw": e.d_hat_raw, "lower_bound": e.lower_bound, "reason": e.reason,
                              "outcome": outcome(e, d_true), "d_true": d_true})
             bar.update()
+        thinned = cell = None  # freed before the next N's thinning (the cells are views of it)
     bar.close()
     return pd.DataFrame(rows)
 
@@ -99,10 +100,11 @@ def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method"
 def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
                      views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None]) -> dict[Hashable, tuple[list[Round], str]]:
     """The adaptive loop (``sampling.N: auto``) replayed on stored draws, once per view of them (draws -> the matrix Y
-    the estimator sees, ``assess``'s ``common``; None: the common set itself; e.g. through a defence: ``nv.defences``).
+    the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``).
     Round r assesses the view of the first N_r calls of each prompt of S as the live loop does (``assess``; thinning is
-    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2); every
-    view shares the round's thinning. The schedule is the loop's, capped at S.N.
+    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2) (in one
+    pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); every view shares the
+    round's thinning. The schedule is the loop's, capped at S.N.
 
     Searched down from S.N: a view's rounds are assessed from the top while saturated. The loop stops at the first
     round that meets its rule, which needs a saturated estimate; taking every round below an unsaturated one as
@@ -115,20 +117,27 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     stop = dict.fromkeys(views)
     active = list(views)
     for r in tqdm(range(len(plan) - 1, -1, -1), desc="adaptive replay (down from S.N)", unit="round", disable=len(views) == 1):
-        S_r, checks = S.subsample(plan[r], seed), {}
+        S_r, first = S.subsample(plan[r], seed), {}
+        for key in active:  # every view's estimate at N_r first, then S_r is freed
+            Y = (views[key] or _common)(S_r)
+            first[key] = estimate_on(Y, "robust", robust), Y.shape
+        budget = S_r.budget()
+        del S_r, Y  # the checks are thinned from S itself (``then``): S and one thinned sample in memory at a time
+        checks = {}
 
         def thinned(n: int) -> SampledMatrix:
             if n not in checks:
-                checks[n] = S_r.subsample(n, seed)
+                checks[n] = S.subsample(plan[r], seed, then=n)
             return checks[n]
 
         for key in list(active):
-            done, stable = assess(r, S_r, robust, seed, thinned, views[key])
+            view = views[key] or _common
+            done, stable = assess(r, *first[key], budget, robust, lambda n: view(thinned(n)))
             rounds[key].insert(0, done)
             stop[key] = r if stable else stop[key]
             if not done.saturated:
                 active.remove(key)
-        del S_r, checks  # before the next round's thinning: one round's draws in memory at a time
+        del checks
         if not active:
             break
     out = {}
@@ -138,6 +147,10 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
         else:
             out[key] = ([x for x in rounds[key] if x.round <= stop[key]], "stable")
     return out
+
+
+def _common(S: SampledMatrix) -> np.ndarray:
+    return common_set(S).Y
 
 
 def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:

@@ -30,9 +30,9 @@ class CommonSet:
 
 def common_set(sampled: SampledMatrix, pruned: Pruned | None = None) -> CommonSet:
     """Alg. 1 lines 5-7: greedy NaN pruning of Y_hat (or ``pruned``, that of its mask, ``observed_mask``), then the
-    dense submatrix Y (float64)."""
+    dense submatrix Y (float64). Columns are taken first: taking the rows first would copy nearly all of Y_hat."""
     pruned = greedy_prune(sampled.counts) if pruned is None else pruned
-    Y = sampled.logprobs[pruned.rows][:, pruned.cols].toarray().astype(np.float64)
+    Y = sampled.logprobs[:, pruned.cols][pruned.rows].toarray().astype(np.float64)
     return CommonSet(Y, pruned)
 
 

@@ -51,25 +51,41 @@ class SampledMatrix:
         """D, N, tau and the §5 cost of this matrix (what a report needs besides the estimate)."""
         return {"D": self.D, "N": self.N, "temperature": self.temperature, "tokens": self.tokens(), "calls": self.calls()}
 
-    def subsample(self, N: int, seed: int) -> SampledMatrix:
-        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning)."""
+    def subsample(self, N: int, seed: int, then: int | None = None) -> SampledMatrix:
+        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning); ``then``: the first
+        ``then`` of those N, the matrix ``subsample(N, seed).subsample(then, seed)`` gives, without holding the N-call
+        one (the adaptive replay's nested check, ``nv.phase1.exactness``)."""
         if not 1 <= N <= self.N:
             raise NVError(f"sub-budget N must be in [1, {self.N}], got {N}")
+        if then is not None and not 1 <= then <= N:
+            raise NVError(f"nested sub-budget must be in [1, {N}], got {then}")
+        then = None if then == N else then  # the first N of N calls are all of them
         if N == self.N:
-            return self
-        rng = np.random.default_rng(seed)
+            return self if then is None else self.subsample(then, seed)
+        rng, rng_then = np.random.default_rng(seed), np.random.default_rng(seed)
         indptr = self.counts.indptr
-        drawn = np.empty_like(self.counts.data)
-        new_indptr = np.zeros(self.D + 1, dtype=np.int64)  # per-row kept counts (a cumsum over every entry would cost 8 bytes each)
+        # row by row into arrays sized for every entry, then shrunk in place (realloc): only the kept entries are
+        # ever written, so resident memory is the thinned sample alone, not an nnz-sized draw and keep mask beside it
+        out = {"counts": np.empty_like(self.counts.data), "indices": np.empty_like(self.counts.indices),
+               "logprobs": np.empty_like(self.logprobs.data)}
+        new_indptr = np.zeros(self.D + 1, dtype=np.int64)
         for q in range(self.D):
             row = slice(indptr[q], indptr[q + 1])
-            drawn[row] = rng.multivariate_hypergeometric(self.counts.data[row], N)
-            new_indptr[q + 1] = new_indptr[q] + np.count_nonzero(drawn[row])
-        keep = drawn > 0
-        indices = self.counts.indices[keep]
-        counts = sp.csr_matrix((drawn[keep], indices, new_indptr), shape=self.counts.shape)
-        logprobs = sp.csr_matrix((self.logprobs.data[keep], indices, new_indptr), shape=self.counts.shape)
-        return SampledMatrix(logprobs, counts, self.prompt_tokens, N, self.temperature)
+            drawn = rng.multivariate_hypergeometric(self.counts.data[row], N)
+            keep = drawn > 0
+            if then is not None:  # the N-call row's own thinning, as its subsample draws it
+                drawn[keep] = rng_then.multivariate_hypergeometric(drawn[keep], then)
+                keep = drawn > 0
+            start, stop = new_indptr[q], new_indptr[q] + np.count_nonzero(keep)
+            out["counts"][start:stop] = drawn[keep]
+            out["indices"][start:stop] = self.counts.indices[row][keep]
+            out["logprobs"][start:stop] = self.logprobs.data[row][keep]
+            new_indptr[q + 1] = stop
+        for a in out.values():
+            a.resize(new_indptr[-1], refcheck=False)
+        counts = sp.csr_matrix((out["counts"], out["indices"], new_indptr), shape=self.counts.shape)
+        logprobs = sp.csr_matrix((out["logprobs"], out["indices"], new_indptr), shape=self.counts.shape)
+        return SampledMatrix(logprobs, counts, self.prompt_tokens, then or N, self.temperature)
 
 
 def _key(meta: dict) -> str:

@@ -50,4 +50,5 @@ def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, see
                          "lower_bound": e.lower_bound, "d_lo": lo, "d_hi": hi,
                          "rel_error": None if raw is None or not d_true else abs(raw - d_true) / d_true,
                          "covered": None if not d_true else bool(lo <= d_true <= hi)})
+        del sub  # freed before the next budget's thinning
     return pd.DataFrame(rows), smallest

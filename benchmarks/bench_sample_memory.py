@@ -1,0 +1,124 @@
+"""Peak memory of the phase-1 operations on a large stored sample (issue 13's 12 GB bound; the 1.5B's 3,000 x 10^6
+draws hold 3.9·10^8 entries, 4.65 GB): thinning (``SampledMatrix.subsample``), the common set (Alg. 1 lines 5-7)
+and the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``).
+
+The sample is synthetic, shaped like a real one: D prompts over |V| = 151,936 tokens, N calls per prompt
+multinomial over a Zipf law on one shared token ranking, log-probs of rank R = 256 (h_q W^T, bf16-rounded), so the
+common set is large and the robust estimator saturates and the replay's checks run. Sizes are in units of the
+sample's own arrays (12 bytes per observed entry), above the resident set before each step (the sample itself).
+Bounds: thinning peaks at the thinned copy alone (<= 1.15 x the thinned sample: no nnz-sized draw and keep mask
+beside it); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
+(one thinned sample at a time beside S; holding a round's draws beside its check, as before issue 13's change,
+took two). Each bound is printed MET or MISSED (machines are noisy); a wrong result
+(thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does not find rank R)
+exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+from nv.phase1.exactness import adaptive_replay, first
+from nv.phase1.pipeline import common_set
+from nv.phase1.sampling import SampledMatrix
+
+from _common import GIB, peak_rss, reset_peak_rss, verdict
+
+RANK, VOCAB = 256, 151_936
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) and back: the logits' storage precision."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.view(np.float32)
+
+
+def synthetic(D: int, N: int, seed: int = 0) -> SampledMatrix:
+    """D prompts x N calls: counts multinomial over p_v ~ rank(v)^-1.05 (one ranking, a per-prompt exponent jitter),
+    log-probs -8 + h_q . w_v (R = 256 dimensions) rounded to bf16 on the observed entries only."""
+    rng = np.random.default_rng(seed)
+    ranking = rng.permutation(VOCAB)
+    H = rng.normal(scale=0.25, size=(D, RANK)).astype(np.float32)
+    W = rng.normal(size=(VOCAB, RANK)).astype(np.float32)
+    indptr, indices, counts, logprobs = [0], [], [], []
+    for q in range(D):
+        p = np.arange(1, VOCAB + 1, dtype=np.float64) ** -rng.uniform(1.0, 1.1)
+        c = np.zeros(VOCAB, dtype=np.int64)
+        c[ranking] = rng.multinomial(N, p / p.sum())
+        idx = np.flatnonzero(c).astype(np.int32)
+        indices.append(idx)
+        counts.append(c[idx].astype(np.int32))
+        logprobs.append(bf16(-8.0 + W[idx] @ H[q]))
+        indptr.append(indptr[-1] + idx.size)
+    indptr, indices = np.asarray(indptr, dtype=np.int64), np.concatenate(indices)
+    shape = (D, VOCAB)
+    return SampledMatrix(sp.csr_matrix((np.concatenate(logprobs), indices, indptr), shape=shape),
+                         sp.csr_matrix((np.concatenate(counts), indices, indptr), shape=shape),
+                         np.full(D, 20, dtype=np.int32), N, 2.0)
+
+
+def size(S: SampledMatrix) -> float:
+    """The sample's arrays in GiB (counts, indices, log-probs: 12 bytes per entry)."""
+    return (S.counts.data.nbytes + S.counts.indices.nbytes + S.logprobs.data.nbytes) / GIB
+
+
+def step(name: str, fn, *args):
+    """Run fn once; print and return (result, seconds, peak GiB above the resident set before it)."""
+    reset_peak_rss()
+    base = peak_rss()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    seconds, above = time.perf_counter() - t0, peak_rss() - base
+    print(f"{name}: {seconds:.1f} s, peak {above:.2f} GiB above the {base:.2f} GiB before it")
+    return out, seconds, above
+
+
+def bound(what: str, ratio: float, limit: float) -> None:
+    print(f"  {what}: {ratio:.2f} (bound {limit}) {'MET' if ratio <= limit else 'MISSED'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--D", type=int, default=3000)
+    ap.add_argument("--N", type=int, default=100_000)
+    args = ap.parse_args()
+    wrong = []
+    S, _, _ = step(f"synthetic sample {args.D} x {args.N:,}", synthetic, args.D, args.N)
+    S_gib = size(S)
+    print(f"  {S.counts.nnz:,} observed entries, {S_gib:.2f} GiB")
+
+    half, _, peak = step("thin to N / 2 (subsample)", S.subsample, args.N // 2, 0)
+    bound("peak / thinned sample", peak / size(half), 1.15)
+    if not np.all(np.asarray(half.counts.sum(axis=1)).ravel() == args.N // 2):
+        wrong.append("a thinned row does not sum to N / 2")
+    small = first(S, min(50, S.D))
+    nested, twice = small.subsample(args.N // 2, 0, then=args.N // 8), small.subsample(args.N // 2, 0).subsample(args.N // 8, 0)
+    if not all(np.array_equal(getattr(nested.counts, f), getattr(twice.counts, f)) for f in ("data", "indices", "indptr")):
+        wrong.append("subsample(N, then=n) differs from thinning twice")
+    del half, small, nested, twice
+
+    cs, _, peak = step("common set (greedy pruning + Y)", common_set, S)
+    print(f"  common set {cs.Y.shape[0]} x {cs.Y.shape[1]}")
+    bound("peak / sample", peak / S_gib, 0.3)
+    del cs
+
+    sampling = {"N0": max(1, args.N // 8), "N_max": args.N, "growth": 2.0}
+    (rounds, why), _, peak = step("adaptive replay (N/8, N/4, N/2, N)", adaptive_replay, S, sampling,
+                                  {"g": 64, "z_min": 8.0, "min_ratio": 1.05}, 0)
+    for r in rounds:
+        print(f"  {r.line()}")
+    print(f"  stop: {why}")
+    bound("peak / sample", peak / S_gib, 1.2)
+    if not rounds or rounds[-1].d_hat_raw is None or abs(rounds[-1].d_hat_raw - RANK) > 3:
+        wrong.append(f"the replay's last round does not find rank {RANK}: {rounds[-1].line() if rounds else 'no round'}")
+    return verdict(wrong)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
