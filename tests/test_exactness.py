@@ -12,7 +12,7 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.adaptive import stopped
-from nv.phase1.exactness import adaptive_replay, adaptive_stop, cheapest_exact, first, grid, outcome
+from nv.phase1.exactness import adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, first, grid, outcome
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate
@@ -111,6 +111,8 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     capped, why = adaptive_replay(S.subsample(rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
     assert why == "stored draws" and capped == rounds[:1]
     assert adaptive_replay(S.subsample(100, 0), sampling, SPECTRUM["robust"], 0) == ([], "stored draws")
+    assert adaptive_replays(S, sampling, SPECTRUM["robust"], 0, {}) == {}  # no view to replay (the defences stage's
+    # when no setting saturates at the stored N)
     # the figure marks the stop (and draws a model without one)
     last = rounds[-1]
     stops = pd.DataFrame([{"model": "toy", "temperature": S.temperature, "stop": "stable", "N": last.N, "d_hat_raw": last.d_hat_raw,

@@ -117,12 +117,12 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     stop = dict.fromkeys(views)
     active = list(views)
     for r in tqdm(range(len(plan) - 1, -1, -1), desc="adaptive replay (down from S.N)", unit="round", disable=len(views) == 1):
-        S_r, first = S.subsample(plan[r], seed), {}
-        for key in active:  # every view's estimate at N_r first, then S_r is freed
-            Y = (views[key] or _common)(S_r)
-            first[key] = estimate_on(Y, "robust", robust), Y.shape
+        if not active:
+            break
+        S_r = S.subsample(plan[r], seed)
+        at_N_r = {key: _estimate((views[key] or _common)(S_r), robust) for key in active}  # every view's, then S_r is freed
         budget = S_r.budget()
-        del S_r, Y  # the checks are thinned from S itself (``then``): S and one thinned sample in memory at a time
+        del S_r  # the checks are thinned from S itself (``then``): S and one thinned sample in memory at a time
         checks = {}
 
         def thinned(n: int) -> SampledMatrix:
@@ -132,14 +132,12 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
 
         for key in list(active):
             view = views[key] or _common
-            done, stable = assess(r, *first[key], budget, robust, lambda n: view(thinned(n)))
+            done, stable = assess(r, *at_N_r[key], budget, robust, lambda n: view(thinned(n)))
             rounds[key].insert(0, done)
             stop[key] = r if stable else stop[key]
             if not done.saturated:
                 active.remove(key)
         del checks
-        if not active:
-            break
     out = {}
     for key in views:
         if stop[key] is None:
@@ -151,6 +149,11 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
 
 def _common(S: SampledMatrix) -> np.ndarray:
     return common_set(S).Y
+
+
+def _estimate(Y: np.ndarray, robust: dict) -> tuple[SpectrumEstimate, tuple[int, int]]:
+    """The robust estimate on Y and Y's shape: what ``assess`` needs of a round's matrix."""
+    return estimate_on(Y, "robust", robust), Y.shape
 
 
 def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
