@@ -90,6 +90,11 @@ def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
             and abs(int(estimate_.d_hat_raw) - int(check.d_hat_raw)) <= 1)
 
 
+def round_estimate(Y: np.ndarray, robust: dict) -> tuple[SpectrumEstimate, tuple[int, int]]:
+    """The robust estimate on a round's matrix Y and Y's shape: what ``assess`` needs of it."""
+    return estimate_on(Y, "robust", robust), Y.shape
+
+
 def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict, robust: dict,
            check: Callable[[int], np.ndarray]) -> tuple[Round, bool]:
     """Round r from the robust estimate ``est`` on its matrix Y (``shape``: D' x |C|; the common set of its merged
@@ -138,8 +143,7 @@ def sample_adaptive(
         part = load_samples(folder)
         merged = part if merged is None else merge(merged, part)
         del part
-        Y = common_set(merged).Y
-        done, stable = assess(r, estimate_on(Y, "robust", robust), Y.shape, merged.budget(), robust,
+        done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,
                               lambda n: common_set(merged.subsample(n, seed)).Y)
         rounds.append(done)
         report(done.line())

@@ -20,8 +20,8 @@ import pandas as pd
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
-from nv.phase1.adaptive import Round, assess, schedule
-from nv.phase1.pipeline import common_set, estimate_both, estimate_on
+from nv.phase1.adaptive import Round, assess, round_estimate, schedule
+from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
@@ -116,11 +116,12 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     rounds = {key: [] for key in views}
     stop = dict.fromkeys(views)
     active = list(views)
+    views = {key: view or _common for key, view in views.items()}
     for r in tqdm(range(len(plan) - 1, -1, -1), desc="adaptive replay (down from S.N)", unit="round", disable=len(views) == 1):
         if not active:
             break
         S_r = S.subsample(plan[r], seed)
-        at_N_r = {key: _estimate((views[key] or _common)(S_r), robust) for key in active}  # every view's, then S_r is freed
+        at_N_r = {key: round_estimate(views[key](S_r), robust) for key in active}  # every view's, then S_r is freed
         budget = S_r.budget()
         del S_r  # the checks are thinned from S itself (``then``): S and one thinned sample in memory at a time
         checks = {}
@@ -131,8 +132,7 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
             return checks[n]
 
         for key in list(active):
-            view = views[key] or _common
-            done, stable = assess(r, *at_N_r[key], budget, robust, lambda n: view(thinned(n)))
+            done, stable = assess(r, *at_N_r[key], budget, robust, lambda n: views[key](thinned(n)))
             rounds[key].insert(0, done)
             stop[key] = r if stable else stop[key]
             if not done.saturated:
@@ -149,11 +149,6 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
 
 def _common(S: SampledMatrix) -> np.ndarray:
     return common_set(S).Y
-
-
-def _estimate(Y: np.ndarray, robust: dict) -> tuple[SpectrumEstimate, tuple[int, int]]:
-    """The robust estimate on Y and Y's shape: what ``assess`` needs of a round's matrix."""
-    return estimate_on(Y, "robust", robust), Y.shape
 
 
 def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
