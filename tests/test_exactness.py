@@ -12,13 +12,15 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.adaptive import stopped
-from nv.phase1.exactness import adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, first, grid, outcome
+from nv.phase1.exactness import (adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio, first, grid,
+                                 outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
 from nv.plots.exactness import grid as grid_figure
+from nv.plots.exactness import threshold as threshold_figure
 from synthetic import LowRankOracle
 
 SPECTRUM = {"robust": {"g": 8, "z_min": 8.0, "min_ratio": 1.05},
@@ -85,6 +87,25 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     hopeless = grid(S, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
     path = save(grid_figure(pd.concat([table, hopeless]), (20_000, 10**6)), tmp_path / "grid.png")
     assert path.stat().st_size > 20_000
+
+
+def test_threshold_brackets_the_exact_cells_by_their_edge_ratio(toy, tmp_path):
+    oracle, S = toy
+    assert edge_ratio(100, 100) == 25.0 and np.isclose(edge_ratio(400, 100), 400 * 100 / 30**2)
+    table = grid(S, [10, 20, 40, 80], [60, 300, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    assert np.allclose(table.R, edge_ratio(table.D_prime, table.C))
+    robust = table[table.method == "robust"]
+    exact = robust.outcome == "exact"
+    limits = threshold(table).set_index("model").loc["toy"]
+    assert limits.cells == len(robust) and limits.exact_cells == exact.sum() >= 2 and (~exact).any()
+    assert (limits.R_max_not_exact, limits.R_min_exact) == (robust.R[~exact].max(), robust.R[exact].min())
+    assert limits.separates == (robust.R[~exact].max() < robust.R[exact].min())
+    # an exact cell of the largest R relabelled: the outcome is no longer a function of R, and the table says so
+    overlap = table.copy()
+    overlap.loc[robust.R[exact].idxmax(), "outcome"] = "not saturated"
+    assert threshold(overlap).separates.tolist() == [False]
+    for t in (table, overlap):
+        assert save(threshold_figure(t, threshold(t)), tmp_path / "threshold.png").stat().st_size > 20_000
 
 
 def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):

@@ -24,7 +24,7 @@ FIGURES = [
     "spectrum_carlini_vs_common_set.png", "cost_overhead.png", "timing_scaling.png", "timing_measured_vs_predicted.png",
     "timing_errors.png", "timing_cross_platform.png", "overall_error_vs_budget.png", "validation_d_vs_budget.png",
     "err_d_L_N.png", "validation_L_P_errors.png", "validation_scaling.png", "L_param_err_budget.png", "defences.png",
-    "exactness_grid.png", "planner.png",
+    "exactness_grid.png", "exactness_threshold.png", "planner.png",
 ]
 STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "budget_sweep", "sample_complexity",
           "carlini_baseline", "timing_target", "timing_fit", "overall", "validation_phase1@qwen-0_5b",
@@ -207,6 +207,10 @@ def check_exactness(project: Path) -> None:
     assert (adaptive["embedded"]["rounds"], adaptive["embedded"]["N"]) == (1, 5000)  # of 1000, 2000, 4000, 5000
     assert adaptive["embedded"]["tokens"] == full.tokens and adaptive["embedded"]["d_hat_raw"] is None
     assert all(0 <= r["lower_bound"] < r["d_true"] for r in adaptive.values())
+    # nothing exact at these budgets: the edge ratio R of every cell is there, and no threshold can be bracketed
+    assert np.allclose(table.R, table.D_prime * table.C / (np.sqrt(table.D_prime) + np.sqrt(table.C)) ** 2)
+    assert [(r["model"], r["exact_cells"], r["R_min_exact"], r["separates"]) for r in efficiency["threshold"]] == [
+        ("embedded", 0, None, None), ("qwen2.5-coder-0.5b", 0, None, None)]
 
 
 def check_planner(project: Path) -> None:

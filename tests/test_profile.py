@@ -71,6 +71,20 @@ def test_validation_profile_adds_the_1_5b_and_changes_nothing_else(root, params)
     assert [line for line in before if line not in after] == []
 
 
+def test_temperature_profile_changes_only_the_exactness_grid(root, params):
+    default = load_params(params)
+    assert sorted(apply(root / "profiles" / "temperature.yaml", params)) == [
+        "exactness.D_values", "exactness.N_values", "exactness.temperatures"]
+    p = load_params(params)
+    grid = p["exactness"]
+    # finer than the default around its cheapest exact cell, and it keeps the default's tau = 2 (the phase-1 draws)
+    assert min(grid["D_values"]) < 1500 < max(grid["D_values"]) and 300_000 in grid["N_values"]
+    assert len(grid["N_values"]) > len(default["exactness"]["N_values"]) and p["sampling"]["temperature"] in grid["temperatures"]
+    assert max(grid["temperatures"]) > max(default["exactness"]["temperatures"])
+    assert grid["validation_temperatures"] == default["exactness"]["validation_temperatures"]
+    assert {k: v for k, v in p.items() if k != "exactness"} == {k: v for k, v in default.items() if k != "exactness"}
+
+
 def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(params, tmp_path):
     before = params.read_text()
     bad = tmp_path / "bad.yaml"

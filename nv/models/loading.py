@@ -13,6 +13,8 @@ model is cached once as safetensors under the cache folder and reloaded from the
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import logging
 import os
@@ -183,3 +185,14 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, arch=architecture(model))
+
+
+def release_memory() -> None:
+    """Hand the memory of objects already dropped (a model the caller has ``del``-ed) back to the OS: a garbage
+    collection, then glibc's ``malloc_trim(0)`` where the C library has it. glibc keeps freed blocks below its mmap
+    threshold (the forward passes' activations) in the process: after the 1.5B's prompt search, 3.6 GB stayed
+    resident once the model was deleted and collected, 0.5 GB after the trim (README: validation, peak memory)."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

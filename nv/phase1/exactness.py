@@ -40,6 +40,17 @@ def outcome(e: SpectrumEstimate, d_true: int) -> str:
     return "no estimate"
 
 
+def edge_ratio(D_prime, C):
+    """R = D' |C| / (sqrt(D') + sqrt(|C|))^2 of a D' x |C| common-set matrix Y.
+
+    A signal direction of per-entry strength s has singular value ~ s sqrt(D' |C|) in Y; i.i.d. noise of scale sigma
+    (the bf16 floor) has its top singular value at the Marchenko-Pastur edge sigma (sqrt(D') + sqrt(|C|)). R is their
+    squared ratio in units of (s / sigma)^2: the tail near i = d clears the floor once R exceeds a constant of the
+    model, (sigma / s_d)^2 times the detector's margin, whatever D, N and tau gave the shape (``threshold``)."""
+    D_prime, C = np.asarray(D_prime, dtype=np.float64), np.asarray(C, dtype=np.float64)
+    return D_prime * C / (np.sqrt(D_prime) + np.sqrt(C)) ** 2
+
+
 def first(S: SampledMatrix, D: int) -> SampledMatrix:
     """The first D prompts of S (nested in D, as ``SampledMatrix.subsample`` is in N): a prefix of S's CSR arrays,
     kept as views (a 3,000 x 3·10^5 sample holds several GB) unless it is under half of them, where scipy copies it."""
@@ -67,7 +78,8 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
             cs = common_set(cell)
             for method, e in estimate_both(cs.Y, spectrum).items():
                 rows.append({"model": model, "temperature": S.temperature, "D": D, "N": N, "tokens": cell.tokens(),
-                             "calls": cell.calls(), "D_prime": cs.Y.shape[0], "C": cs.Y.shape[1], "method": method,
+                             "calls": cell.calls(), "D_prime": cs.Y.shape[0], "C": cs.Y.shape[1],
+                             "R": float(edge_ratio(*cs.Y.shape)), "method": method,
                              "d_hat_raw": e.d_hat_raw, "lower_bound": e.lower_bound, "reason": e.reason,
                              "outcome": outcome(e, d_true), "d_true": d_true})
             bar.update()
@@ -94,6 +106,21 @@ def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method"
                     "stays_exact": bool((above.outcome == "exact").all()), "best_lower_bound": None,
                     "max_tokens_tried": g.tokens.max()}
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def threshold(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the robust estimator's cells of every (D, N, tau) ordered by ``edge_ratio`` R: the largest R of a
+    cell that is not exact and the smallest R of an exact one. ``separates``: every exact cell has the larger R, so
+    the outcome is a function of R alone and the model's threshold R* lies between the two (None without both)."""
+    rows = []
+    for model, g in table[table.method == "robust"].groupby("model", sort=False):
+        exact = g.outcome == "exact"
+        below = g.R[~exact].max() if (~exact).any() else np.nan
+        above = g.R[exact].min() if exact.any() else np.nan
+        rows.append({"model": model, "d_true": int(g.d_true.iloc[0]), "cells": len(g), "exact_cells": int(exact.sum()),
+                     "R_max_not_exact": below, "R_min_exact": above,
+                     "separates": bool(below < above) if np.isfinite(below) and np.isfinite(above) else None})
     return pd.DataFrame(rows)
 
 

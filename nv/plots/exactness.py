@@ -77,3 +77,42 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), nested draws")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
+
+
+def threshold(table: pd.DataFrame, limits: pd.DataFrame):
+    """What decides a cell's outcome: the robust estimator's answer over d (d_hat_raw, or the lower bound when not
+    saturated) against the common set's ``edge_ratio`` R, one panel per model, one marker per tau, coloured by outcome;
+    ``limits`` (``exactness.threshold``) shades the band where the model's threshold R* lies when R separates the
+    exact cells from the others."""
+    robust = table[table.method == "robust"]
+    models = list(dict.fromkeys(robust.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
+    markers = dict(zip(sorted(robust.temperature.unique()), "os^Dvp<>"))
+    lim = limits.set_index("model")
+    for ax, model in zip(axes.flat, models):
+        g = robust[robust.model == model]
+        answer = g.d_hat_raw.fillna(g.lower_bound) / g.d_true
+        for tau, marker in markers.items():
+            at = g.temperature == tau
+            if at.any():
+                ax.scatter(g.R[at], answer[at], c=[OUTCOME_COLORS[o] for o in g.outcome[at]], marker=marker, s=45,
+                           edgecolors="k", linewidths=0.5, zorder=3)
+        row = lim.loc[model]
+        if row.separates:
+            ax.axvspan(row.R_max_not_exact, row.R_min_exact, color="tab:green", alpha=0.25, zorder=1)
+            ax.annotate(f"R* in ({row.R_max_not_exact:.0f}, {row.R_min_exact:.0f}]", (row.R_min_exact, 0.05),
+                        xycoords=("data", "axes fraction"), xytext=(4, 0), textcoords="offset points", fontsize=8)
+        elif row.separates is False:
+            ax.annotate("exact and not-exact cells overlap in R", (0.02, 0.95), xycoords="axes fraction", fontsize=8,
+                        va="top", color="tab:red")
+        ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
+        ax.set(xscale="log", ylim=(0, 1.15), xlabel="R = D' |C| / (sqrt D' + sqrt |C|)^2 of the common set",
+               ylabel="robust answer / d (lower bound when not saturated)",
+               title=f"{model}, true d = {int(g.d_true.iloc[0])}: {len(g)} cells")
+    handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k", label=o) for o, c in OUTCOME_COLORS.items()
+               if o != "no estimate"]
+    handles += [plt.Line2D([], [], ls="", marker=m, mfc="w", mec="k", label=f"tau = {t:g}") for t, m in markers.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.suptitle("What decides exactness: the common set's shape through R, against a threshold of the model")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
