@@ -106,10 +106,10 @@ def threshold(table: pd.DataFrame, limits: pd.DataFrame):
             ax.annotate("exact and not-exact cells overlap in R", (0.02, 0.95), xycoords="axes fraction", fontsize=8,
                         va="top", color="tab:red")
         ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only: minor ones overlap on narrow ranges
         ax.set(xscale="log", ylim=(0, 1.15), xlabel="R = D' |C| / (sqrt D' + sqrt |C|)^2 of the common set",
                ylabel="robust answer / d (lower bound when not saturated)",
                title=f"{model}, true d = {int(g.d_true.iloc[0])}: {len(g)} cells")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decade labels only (after the log scale, which resets formatters): minor ones overlap on narrow ranges
     handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k", label=o) for o, c in OUTCOME_COLORS.items()
                if o != "no estimate"]
     handles += [plt.Line2D([], [], ls="", marker=m, mfc="w", mec="k", label=f"tau = {t:g}") for t, m in markers.items()]
