@@ -106,4 +106,3 @@ def test_release_memory_hands_freed_heap_blocks_back():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, timeout=120).stdout
     by_gc, by_release = map(float, out.split())
     assert by_gc < 50 and by_release > 300  # MiB: 400 MiB of holes, held until trimmed
-
