@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from nv.errors import NVError, run_main
+from nv.models.packaged import PACKAGED
 from nv.params import load_params
 
 PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("attack", help="run the attack and write report.json")
     target = p.add_argument_group("target (exactly one)")
     target.add_argument("--simulate", metavar="MODEL",
-                        help="attack a local model through the simulator: 'embedded', a HF id, a folder or a .gguf file")
+                        help="attack a local model through the simulator: a packaged name (" + ", ".join(PACKAGED) + "), "
+                             "a HF id, a folder or a .gguf file")
     target.add_argument("--base-url", metavar="URL", help="attack an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8080/v1")
     target.add_argument("--model", metavar="NAME", help="with --base-url: the model id the endpoint serves")
     live = p.add_argument_group("live endpoint (with --base-url)")

@@ -44,6 +44,18 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
         assert set(merged.counts[q].indices) == cols
     both = parts[0].logprobs.multiply(parts[1].counts > 0)
     np.testing.assert_array_equal(merged.logprobs.multiply(both != 0).data, both.data)
+    # merged 3 rows at a time (blocks, as on a large sample): the same matrix, bit for bit
+    blocked = merge(*parts, block=3)
+    for a, b in ((blocked.counts, merged.counts), (blocked.logprobs, merged.logprobs)):
+        assert a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("data", "indices", "indptr"))
+    # a noisy oracle's values: each entry is the count-weighted mean of the rounds' values
+    parts[1].logprobs.data += np.linspace(0.0, 1.0, parts[1].logprobs.nnz, dtype=np.float32)
+    noisy = merge(*parts, block=4)
+    (la, ca), (lb, cb) = ((P.logprobs.toarray().astype(np.float64), P.counts.toarray()) for P in parts)
+    seen = (ca + cb) > 0
+    mean = (la * ca + lb * cb)[seen] / (ca + cb)[seen]
+    np.testing.assert_array_equal(noisy.counts.toarray()[seen], (ca + cb)[seen])
+    np.testing.assert_allclose(noisy.logprobs.toarray()[seen], mean, rtol=1e-6)
     assert round_seed(0, 0) != round_seed(0, 1) and round_seed(0, 1) == round_seed(0, 1)
 
 

@@ -47,18 +47,33 @@ def round_seed(seed: int, r: int) -> int:
     return int(np.random.SeedSequence([seed, r]).generate_state(1)[0])
 
 
-def merge(a: SampledMatrix, b: SampledMatrix) -> SampledMatrix:
+def merge(a: SampledMatrix, b: SampledMatrix, block: int = 100) -> SampledMatrix:
     """Y_hat of the union of two samples of the same prompts: counts add; a token's log-prob is the count-weighted
     mean of their values (equal on an exact oracle; an average against a noisy one). Merging round by round keeps
-    one merged matrix and one round in memory, never every round at once."""
-    counts = (a.counts.astype(np.int64) + b.counts).tocsr()
-    weighted = (a.logprobs.astype(np.float64).multiply(a.counts) + b.logprobs.multiply(b.counts)).tocsr()
-    counts.sort_indices()
-    weighted.sort_indices()
-    if not (np.array_equal(counts.indptr, weighted.indptr) and np.array_equal(counts.indices, weighted.indices)):
-        raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
-    logprobs = sp.csr_matrix((weighted.data / counts.data, counts.indices, counts.indptr), shape=counts.shape)
-    return SampledMatrix(logprobs.astype(np.float32), counts.astype(np.int32), a.prompt_tokens, a.N + b.N, a.temperature)
+    one merged matrix and one round in memory, never every round at once; ``block`` rows at a time are merged into
+    arrays sized for every entry of both and shrunk in place (``SampledMatrix.subsample``'s way), so the merge holds
+    the two samples and their union, 12 bytes per entry each, and no float64 or int64 copy of either."""
+    if a.counts.shape != b.counts.shape:
+        raise NVError(f"adaptive sampling: rounds of shapes {a.counts.shape} and {b.counts.shape} cannot merge")
+    size = a.counts.nnz + b.counts.nnz  # the union has at most this many entries; untouched pages stay unallocated
+    indices, counts, logprobs = np.empty(size, np.int32), np.empty(size, np.int32), np.empty(size, np.float32)
+    indptr = np.zeros(a.D + 1, dtype=np.int64)
+    for s in range(0, a.D, block):
+        rows = slice(s, min(a.D, s + block))
+        c = (a.counts[rows].astype(np.int64) + b.counts[rows]).tocsr()
+        w = (a.logprobs[rows].astype(np.float64).multiply(a.counts[rows]) + b.logprobs[rows].multiply(b.counts[rows])).tocsr()
+        c.sort_indices()
+        w.sort_indices()
+        if not (np.array_equal(c.indptr, w.indptr) and np.array_equal(c.indices, w.indices)):
+            raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
+        start, stop = indptr[s], indptr[s] + c.nnz
+        indices[start:stop], counts[start:stop], logprobs[start:stop] = c.indices, c.data, w.data / c.data
+        indptr[s + 1 : rows.stop + 1] = start + c.indptr[1:]
+    for x in (indices, counts, logprobs):
+        x.resize(indptr[-1], refcheck=False)
+    shape = a.counts.shape
+    return SampledMatrix(sp.csr_matrix((logprobs, indices, indptr), shape=shape), sp.csr_matrix((counts, indices, indptr), shape=shape),
+                         a.prompt_tokens, a.N + b.N, a.temperature)
 
 
 @dataclass
