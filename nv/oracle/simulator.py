@@ -12,6 +12,11 @@ near-tied prompts does not follow the last bits of a host's bf16 kernels; the we
 
 Batches are right-padded and share the chat-template prefix: its KV cache is computed once
 and reused, so each prompt only runs its own ~6 suffix tokens.
+
+``prompt_cache`` (timed calls only): a serving engine's prompt cache, as llama.cpp's server keeps per slot (and vLLM's
+automatic prefix caching, which keeps more): a timed call reuses the KV of the longest token prefix it shares with
+the previous timed call and computes only the rest (the attention probe of phase 2 needs it; App. D's protocol defeats it
+with a fresh random prefix per trial).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Simulator(Oracle):
         batch_size: int = 32,
         prefix_reuse: bool = True,
         argmax_dtype: str | None = None,
+        prompt_cache: bool = False,
     ) -> None:
         super().__init__()
         if logprobs not in LOGPROB_MODES:
@@ -68,6 +74,8 @@ class Simulator(Oracle):
         self.prefix_reuse = prefix_reuse
         self.argmax_dtype = argmax_dtype
         self._prefix_kv: dict[object, list] = {}  # per compute dtype
+        self.prompt_cache = prompt_cache
+        self._cached: tuple[list[int], object] = ([], None)  # the last timed call's ids and KV cache
 
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
@@ -119,15 +127,23 @@ class Simulator(Oracle):
         return out
 
     def time_request(self, prompt: str) -> TimedCall:
-        """Wall time of one full forward pass of ``prompt`` (prefill + the one output token); on a
-        GPU the clock stops after the device has finished (CUDA kernels run asynchronously)."""
+        """Wall time of one forward pass of ``prompt`` (prefill + the one output token); on a GPU the clock
+        stops after the device has finished (CUDA kernels run asynchronously). With ``prompt_cache`` the
+        pass starts after the longest prefix shared with the previous timed call (at least one token runs),
+        the cache lookup inside the timed span, as a server's is."""
         import torch
 
         ids = self.format.ids(prompt)
         device = self.lm.model.device
         with torch.inference_mode():
             start = time.perf_counter()
-            self.lm.model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1)
+            if self.prompt_cache:
+                kept, cache = self._reuse(ids)
+                self.lm.model(input_ids=torch.tensor([ids[kept:]], device=device), past_key_values=cache,
+                              use_cache=True, logits_to_keep=1)
+                self._cached = (ids, cache)
+            else:
+                self.lm.model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
@@ -160,6 +176,24 @@ class Simulator(Oracle):
         finally:
             for p in params:
                 p.data = p.data.to(loaded)
+
+    def _reuse(self, ids: list[int]) -> tuple[int, object]:
+        """The prompt cache cut to the longest prefix ``ids`` shares with the previous timed call (one token
+        short of all of ``ids``, which must run), and that prefix's length; a fresh cache when nothing is shared."""
+        from transformers import DynamicCache
+
+        last, cache = self._cached
+        shared = 0
+        for a, b in zip(last, ids[:-1]):
+            if a != b:
+                break
+            shared += 1
+        if not shared or cache is None:
+            return 0, DynamicCache(config=self.lm.model.config)
+        extra = cache.get_seq_length() - shared
+        if extra > 0:
+            cache.crop(-extra)
+        return shared, cache
 
     def _prefix_cache(self) -> list:
         """Per-layer (keys, values) of the shared template prefix, computed once per compute dtype."""

@@ -2,4 +2,6 @@
 the App. D timing protocol (random prefixes, warm-ups, K trials, trimmed means), checkpointed;
 ``fit``: the scaling relation and its fits (Eqs. 2-10: beta, alpha, gamma_g, k, L_hat, Eq. 3 P_hat);
 ``platforms``: the timed models on each platform (in-process torch, llama.cpp server); ``evaluation``:
-leave-one-out over every model and platform, the calibration file; ``live``: phase 2 on an endpoint."""
+leave-one-out over every model and platform, the calibration file; ``live``: phase 2 on an endpoint; ``prefill``:
+the attacker-side P_hat from the prefill curve; ``probe``: the attention probe, L from calls that extend a cached
+context (our extension: attention time alone, free of the MLP width that biases Eq. 2's fit)."""

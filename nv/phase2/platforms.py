@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -100,16 +100,18 @@ def _gguf_for(model: TimedModel, seed: int) -> Path:
 
 
 @contextmanager
-def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, seed: int) -> Iterator[Oracle]:
+def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, seed: int,
+                    prompt_cache: bool = False) -> Iterator[Oracle]:
     """An oracle serving ``model`` on ``platform`` with ``threads`` CPU threads (a llama.cpp server
-    with an ``n_ctx`` context is started and stopped here)."""
+    with an ``n_ctx`` context is started and stopped here). ``prompt_cache``: the in-process platform keeps the
+    previous timed call's KV as a server does (llama.cpp's server always does: App. D's random prefixes defeat it)."""
     if platform == "inprocess":
         import torch
 
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            yield Simulator(model.lm, template=True, batch_size=1)
+            yield Simulator(model.lm, template=True, batch_size=1, prompt_cache=prompt_cache)
         finally:
             torch.set_num_threads(before)
     elif platform == "llamacpp":
@@ -141,7 +143,7 @@ def time_model(model: TimedModel, timing: dict, seed: int, out_dir: Path, checkp
             rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint, run_id, progress)
         stats = summarize(rows, timing["trim"])
         record = {**model.facts(), "platform": platform, "r": cfg["r"], "lengths": lengths.tolist(), "trials": cfg["trials"],
-                  "rows": [asdict(r) for r in rows],
+                  "rows": [r.record() for r in rows],
                   "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),
                   "tokens": int(stats["tokens"])}
         (out_dir / f"{platform}.json").write_text(json.dumps(record, indent=1))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,11 +80,18 @@ def warm_up(oracle: Oracle, warmups: int, seed: int, longest: int) -> TokenScale
 
 @dataclass
 class LengthTimings:
-    """K timed calls aimed at ``target`` tokens: the backend's token counts and latencies (s)."""
+    """K timed calls aimed at ``target`` tokens: the backend's token counts and latencies (s). The attention probe
+    (``nv.phase2.probe``) aims at a cached context instead: ``ell`` is the cached prompt's count, ``new`` each timed
+    call's tokens beyond it (None in App. D's protocol)."""
 
     target: int
     ell: list[int]
     seconds: list[float]
+    new: list[int] | None = None
+
+    def record(self) -> dict:
+        """The row as JSON fields (``new`` only where the probe set it, so App. D's records keep their form)."""
+        return {k: v for k, v in asdict(self).items() if k != "new" or v is not None}
 
 
 def _measure(oracle: Oracle, target: int, trials: int, seed: int, scale: TokenScale) -> LengthTimings:
@@ -118,7 +125,7 @@ def _resume(path: Path, key: str) -> dict[int, LengthTimings]:
         done[row.target] = row
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"key": key}, *(asdict(r) for r in done.values())]))
+    tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"key": key}, *(r.record() for r in done.values())]))
     tmp.replace(path)
     return done
 
@@ -132,12 +139,14 @@ def collect_timings(
     checkpoint: Path,
     run_id: dict,
     progress: bool = True,
+    measure: Callable[[Oracle, int, int, int, TokenScale], LengthTimings] | None = None,
 ) -> list[LengthTimings]:
     """Stage 1 of Fig. algo_timing for one model on one platform: the baseline, then every length.
 
     Lengths are measured in a seeded random order (slow drifts of the machine then do not bend the
     curve); ``run_id`` (model, platform, ...) keys the checkpoint so another run never resumes it.
-    Returns the baseline first, then the lengths in ascending order.
+    Returns the baseline first, then the lengths in ascending order. ``measure`` times one length (default: App. D's
+    K fresh prompts; the attention probe's ``measure_cached``).
     """
     if trials < 2:
         raise NVError(f"timing needs >= 2 trials per length, got {trials}")
@@ -153,8 +162,8 @@ def collect_timings(
         bar = tqdm(total=len(todo) * trials, desc=f"timing {run_id.get('model', '')}", disable=not progress, unit="call")
         with checkpoint.open("a") as journal:
             for target in todo:
-                row = _measure(oracle, target, trials, seed, scale)
-                journal.write(json.dumps(asdict(row)) + "\n")
+                row = (measure or _measure)(oracle, target, trials, seed, scale)
+                journal.write(json.dumps(row.record()) + "\n")
                 journal.flush()
                 done[target] = row
                 bar.update(trials)

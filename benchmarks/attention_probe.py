@@ -1,0 +1,103 @@
+"""Depth from the attention probe (nv.phase2.probe, issue 13) on the reference family and the real models, one platform.
+
+Times every model of params.yaml's ``timing_family`` and the real models named by --models with the probe's protocol
+(a cached context of ell_c tokens, then K timed calls that add ~60 fresh tokens each; contexts on [ell_max / 8,
+ell_max]), fits each model's slope g = dT/d ell_c, calibrates b on the family and prints each reference's leave-one-out
+L_hat and each real model's L_hat = g / (s b d) with its error against the issue's 10 %. The real models use their true
+d: phase 1's snapped d_hat equals it on all three (README: validation). Checkpointed per context under --work: a
+rerun resumes. A measurement, not a speed bound: it wants an otherwise idle machine, and it exits 1 only on a failed fit.
+
+Run: python benchmarks/attention_probe.py [--models embedded qwen2.5-coder-0.5b] [--platform inprocess|llamacpp]
+[--references NAME ...] [--trials 10] [--ell-max 2048] [--work DIR] (not in ``make bench``: ~10 minutes in process here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nv.models.loading import load_model, release_memory, resolve
+from nv.params import load_params
+from nv.phase2.platforms import TimedModel, platform_oracle, reference_model
+from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, measure_cached
+from nv.phase2.protocol import collect_timings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def probe(model: TimedModel, platform: str, contexts: np.ndarray, args, params) -> dict:
+    """One model's probe on ``platform``: its facts, rows and fit."""
+    cfg = params["timing"]["platforms"][platform]
+    run_id = {**model.facts(), "platform": platform, "probe": True}
+    checkpoint = Path(args.work) / f"probe-{model.name}-{platform}.jsonl"
+    start = time.perf_counter()
+    with platform_oracle(platform, model, cfg["threads"], int(contexts.max()) + 512, params["seed"], prompt_cache=True) as oracle:
+        rows = collect_timings(oracle, contexts, args.trials, params["timing"]["warmups"], params["seed"], checkpoint, run_id,
+                               measure=measure_cached)
+    fit = fit_probe(rows)
+    print(f"{model.name:<22} L {model.lm.arch.L:>3}  d {model.lm.arch.d:>5}  g {fit.g * 1e6:8.3f} us/token (se {fit.g_se * 1e6:.3f})"
+          f"  t0 {fit.t0:.3f} s  s {fit.s:.0f}  g/(s L d) {fit.rate / (model.lm.arch.L * model.lm.arch.d) * 1e12:.3f} ps"
+          f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    return {**model.facts(), "g": fit.g, "g_se": fit.g_se, "t0": fit.t0, "s": fit.s, "rate": fit.rate,
+            "rows": [r.record() for r in rows]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=["embedded", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--references", nargs="*", help="names of timing_family to time (default: all)")
+    ap.add_argument("--platform", default="inprocess", choices=["inprocess", "llamacpp"])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--ell-max", type=int, default=2048)
+    ap.add_argument("--work", default="/tmp/nv-attention-probe")
+    ap.add_argument("--json", help="write every model's rows and fit here")
+    args = ap.parse_args()
+    params = load_params(ROOT / "params.yaml", ["model", "timing", "timing_family"])
+    model = params["model"]
+    contexts = np.unique(np.rint(np.linspace(args.ell_max / 8, args.ell_max, 8)).astype(int))
+    base = load_model("embedded", dtype=model["dtype"], device=model["device"])
+    results = []
+    family = params["timing_family"]
+    unknown = sorted(set(args.references or []) - set(family))
+    if unknown:
+        ap.error(f"--references {unknown} not in params.yaml's timing_family")
+    for name, entry in family.items():
+        if args.references is not None and name not in args.references:
+            continue
+        results.append(probe(reference_model(name, entry, base, params["seed"]), args.platform, contexts, args, params))
+        gc.collect()
+    for spec in args.models:
+        lm = base if spec == "embedded" else load_model(spec, dtype=model["dtype"], device=model["device"])
+        source, gguf = resolve(spec)
+        a = lm.arch
+        timed = TimedModel(spec, "target", lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions,
+                           Path(source) / gguf if gguf else None)
+        results.append(probe(timed, args.platform, contexts, args, params))
+        del lm, timed
+        release_memory()
+    refs = [r for r in results if r["role"] == "reference"]
+    rate, L, d = (np.array([r[k] for r in refs], dtype=np.float64) for k in ("rate", "L", "d"))
+    b = calibrate_probe(rate, L, d)
+    print(f"\nb = {b * 1e12:.4f} ps per (new token x context token x layer x hidden unit), from {len(refs)} references")
+    print(f"{'model':<22} {'L':>4} {'L_hat':>7} {'error':>8}")
+    for r, L_hat in zip(refs, leave_one_out(rate, L, d)):
+        r["L_hat"] = float(L_hat)
+        print(f"{r['model']:<22} {r['L']:>4} {L_hat:7.1f} {(L_hat - r['L']) / r['L']:+8.1%}   (leave-one-out)")
+    for r in results[len(refs):]:
+        r["L_hat"] = depth_probe(r["rate"], b, r["d"])
+        err = (r["L_hat"] - r["L"]) / r["L"]
+        print(f"{r['model']:<22} {r['L']:>4} {r['L_hat']:7.1f} {err:+8.1%}   {'MET' if abs(err) <= 0.10 else 'MISSED'} (10 %)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"platform": args.platform, "b": b, "contexts": contexts.tolist(),
+                                               "trials": args.trials, "models": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
