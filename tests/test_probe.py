@@ -68,13 +68,13 @@ def test_probe_protocol_through_the_cache(lm, tmp_path):
     assert len(oracle.computed) == 2 + 3 * 4
     for r in rows:
         assert len(set(r.ell)) == 1 and len(r.seconds) == len(r.new) == 3
-        assert all(30 <= n <= 90 for n in r.new)  # 24 random words past the cached context
+        assert all(60 <= n <= 110 for n in r.new)  # six random words and ~64 tokens of passage past the cached context
     assert rows[2].ell[0] - rows[1].ell[0] == pytest.approx(80, abs=10)
     record = json.loads((tmp_path / "p.jsonl").read_text().splitlines()[1])
     assert "new" in record
     assert "new" not in LengthTimings(5, [5], [0.1]).record()  # App. D's rows keep their form
     fit = fit_probe(rows)
-    assert np.isfinite(fit.g) and 30 <= fit.s <= 90
+    assert np.isfinite(fit.g) and 60 <= fit.s <= 110
 
 
 def synthetic_rows(L: int, d: int, b: float, rng, stall: float = 0.0, new: int = 40) -> list[LengthTimings]:

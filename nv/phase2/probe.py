@@ -15,7 +15,7 @@ origin of their rates g_i / s_i on L_i d_i); a target's L_hat = g / (s b d_hat).
 backend's token counts): the same random words make more or fewer tokens under another tokenizer.
 
 Protocol (``measure_cached``): per context length, one untimed call fills the cache with a context (a fresh random
-prefix and App. D's passage), then K timed calls append K different random suffixes of ``suffix_words`` words. The
+prefix and App. D's passage), then K timed calls append K different suffixes (fresh random words, then the passage). The
 server's cache keeps the context between them (each suffix differs from the last at its first token). Contexts run
 in a seeded random order through ``collect_timings``' checkpointed loop. Statistic: per context the fastest trial
 (interference only ever adds time: on a shared machine most trials can carry a stall of a second while the fastest
@@ -35,17 +35,20 @@ import numpy as np
 
 from nv.errors import NVError
 from nv.oracle.base import Oracle
-from nv.phase2.protocol import LengthTimings, TokenScale, random_prefix, timing_prompt
+from nv.phase2.protocol import LengthTimings, TokenScale, timing_prompt
 
 
-def measure_cached(oracle: Oracle, target: int, trials: int, seed: int, scale: TokenScale, suffix_words: int = 24) -> LengthTimings:
+def measure_cached(oracle: Oracle, target: int, trials: int, seed: int, scale: TokenScale, suffix_tokens: int = 64) -> LengthTimings:
     """One context of ~``target`` tokens: cache it with one untimed call, then time ``trials`` calls that extend it by
-    fresh random words. The row's ``ell`` is the primed (cached) prompt's token count, once per trial; ``new`` the
+    fresh random words and ~``suffix_tokens`` tokens of the passage (sized by the warm-ups' characters -> tokens, so s
+    is alike under every tokenizer: an attention kernel works on blocks of queries, and its cost per query is not
+    the same at every s). The row's ``ell`` is the primed (cached) prompt's token count, once per trial; ``new`` the
     timed calls' extra prompt tokens."""
     rng = np.random.default_rng([seed, target, 1])
     context = timing_prompt(scale.chars_for(target), rng)
     primed = oracle.time_request(context)
-    calls = [oracle.time_request(context + " " + random_prefix(rng, suffix_words)) for _ in range(trials)]
+    chars = round(suffix_tokens / scale.per_char)
+    calls = [oracle.time_request(context + " " + timing_prompt(chars, rng)) for _ in range(trials)]
     return LengthTimings(target, [primed.prompt_tokens] * trials, [c.seconds for c in calls],
                          [c.prompt_tokens - primed.prompt_tokens for c in calls])
 
