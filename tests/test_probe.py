@@ -22,27 +22,33 @@ class Watched(Simulator):
         super().__init__(lm, batch_size=1, prompt_cache=prompt_cache)
         self.computed: list[int] = []
         self.last_logits: list[np.ndarray] = []
-        lm.model.register_forward_pre_hook(lambda _, args, kwargs: self.computed.append(kwargs["input_ids"].shape[1]),
-                                           with_kwargs=True)
-        lm.model.register_forward_hook(lambda _, args, kwargs, out: self.last_logits.append(out.logits[0, -1].numpy().copy()),
-                                       with_kwargs=True)
+        self.hooks = [
+            lm.model.register_forward_pre_hook(lambda _, args, kwargs: self.computed.append(kwargs["input_ids"].shape[1]),
+                                               with_kwargs=True),
+            lm.model.register_forward_hook(lambda _, args, kwargs, out: self.last_logits.append(out.logits[0, -1].numpy().copy()),
+                                           with_kwargs=True)]
 
 
 @pytest.fixture()
-def lm(lm32):
-    """The embedded model with no hooks left behind by an earlier test."""
-    yield lm32
-    lm32.model._forward_pre_hooks.clear()
-    lm32.model._forward_hooks.clear()
-    lm32.model._forward_hooks_with_kwargs.clear()
-    lm32.model._forward_pre_hooks_with_kwargs.clear()
+def watched(lm32):
+    """Watched simulators over the embedded model; their hooks are removed after the test."""
+    made: list[Watched] = []
+
+    def make(prompt_cache: bool) -> Watched:
+        made.append(Watched(lm32, prompt_cache))
+        return made[-1]
+
+    yield make
+    for w in made:
+        for hook in w.hooks:
+            hook.remove()
 
 
-def test_prompt_cache_computes_only_the_new_tokens_and_changes_no_logit(lm):
+def test_prompt_cache_computes_only_the_new_tokens_and_changes_no_logit(watched):
     rng = np.random.default_rng(0)
     context = timing_prompt(600, rng)
     prompts = [context, context + " first words", context + " other words", timing_prompt(600, rng)]
-    cached = Watched(lm, prompt_cache=True)
+    cached = watched(True)
     calls = [cached.time_request(p) for p in prompts]
     assert cached.computed[0] == calls[0].prompt_tokens  # nothing cached yet
     for call, computed in zip(calls[1:3], cached.computed[1:3]):  # the context is reused: the words and the template's end run
@@ -50,7 +56,7 @@ def test_prompt_cache_computes_only_the_new_tokens_and_changes_no_logit(lm):
     assert cached.computed[3] >= calls[3].prompt_tokens - 40  # a fresh random prefix: only the template's start is shared
     cached.time_request(prompts[3])  # the same prompt again: its last token still runs
     assert cached.computed[-1] == 1
-    plain = Watched(lm, prompt_cache=False)
+    plain = watched(False)
     for p in prompts:
         plain.time_request(p)
     assert plain.computed == [c.prompt_tokens for c in calls]
@@ -59,8 +65,8 @@ def test_prompt_cache_computes_only_the_new_tokens_and_changes_no_logit(lm):
     assert cached.cost.calls == 5 and cached.cost.prompt_tokens == sum(c.prompt_tokens for c in calls) + calls[3].prompt_tokens
 
 
-def test_probe_protocol_through_the_cache(lm, tmp_path):
-    oracle = Watched(lm, prompt_cache=True)
+def test_probe_protocol_through_the_cache(watched, tmp_path):
+    oracle = watched(True)
     rows = collect_timings(oracle, [40, 120], trials=3, warmups=2, seed=3, checkpoint=tmp_path / "p.jsonl",
                            run_id={"model": "embedded", "probe": True}, progress=False, measure=measure_cached)
     assert [r.target for r in rows] == [1, 40, 120]
