@@ -50,11 +50,12 @@ def test_sampled_logprobs_are_log_softmax_of_the_model(lm32, reference, mode):
 
 
 def test_bfloat16_logits_are_rounded_before_the_softmax(lm32, reference):
-    sim = Simulator(lm32, logits="bfloat16")
-    z = sim.logits(PROMPTS)
-    assert np.array_equal(z, torch.tensor(z).to(torch.bfloat16).double().numpy())  # representable in bf16
-    ulp = np.abs(reference) * 2.0**-7 + 1e-6
-    assert np.all(np.abs(z - reference) <= ulp)
+    z = Simulator(lm32, logits="bfloat16").logits(PROMPTS)
+    z32 = Simulator(lm32, logits="float32").logits(PROMPTS)
+    # exactly the float32 logits of the same forward pass, rounded to bf16 (compared with the plain unbatched pass, a
+    # logit near 0 can differ by more than its own bf16 spacing: the two float32 paths differ by up to 2e-4)
+    assert np.array_equal(z, torch.tensor(z32).to(torch.bfloat16).double().numpy())
+    assert np.all(np.abs(z - reference) <= np.abs(reference) * 2.0**-8 + 2e-4)
     assert np.abs(z - reference).max() > 1e-4  # and really rounded
 
 
