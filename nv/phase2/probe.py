@@ -41,8 +41,7 @@ from nv.phase2.protocol import LengthTimings, TokenScale, timing_prompt
 def measure_cached(oracle: Oracle, target: int, trials: int, seed: int, scale: TokenScale, suffix_tokens: int = 64) -> LengthTimings:
     """One context of ~``target`` tokens: cache it with one untimed call, then time ``trials`` calls that extend it by
     fresh random words and ~``suffix_tokens`` tokens of the passage (sized by the warm-ups' characters -> tokens, so s
-    is alike under every tokenizer: an attention kernel works on blocks of queries, and its cost per query is not
-    the same at every s). The row's ``ell`` is the primed (cached) prompt's token count, once per trial; ``new`` the
+    is alike under every tokenizer: the cost per new token was measured not to be the same at every s, README). The row's ``ell`` is the primed (cached) prompt's token count, once per trial; ``new`` the
     timed calls' extra prompt tokens."""
     rng = np.random.default_rng([seed, target, 1])
     context = timing_prompt(scale.chars_for(target), rng)
