@@ -32,8 +32,8 @@ STAGES = {"model_card", "prompt_search", "sampling", "pruning", "spectrum", "bud
 
 
 def dvc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """One dvc command; the timeout only guards against a hang: the first repro ran past 30 min on a degraded
-    machine (each page fault ~40 us, Python's imports 10x slower), where the old 30-min limit failed the test."""
+    """One dvc command; the timeout only guards against a hang (the first repro was measured past 30 min on a
+    degraded machine: each page fault ~40 us, Python's imports 10x slower)."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "JUPYTER_PREFER_ENV_PATH": "1"}
     return subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=5400)
 
