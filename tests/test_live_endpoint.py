@@ -53,7 +53,7 @@ def attack_args(url: str, model: str, params: Path, out: Path, *extra: str) -> l
 
 def run_attack(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
     """``nv attack``; the timeout only guards against a hang (the phase-2 attack ran past 400 s on a degraded machine
-    beside another test run: ~60 s on an idle one)."""
+    beside another test run)."""
     return subprocess.run(NV + args, capture_output=True, text=True, timeout=timeout)
 
 
