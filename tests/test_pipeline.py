@@ -239,9 +239,8 @@ def check_phase2(project: Path) -> None:
     or says why not."""
     # Stage 1: the target's sweep is App. D's for d_hat = 576 with the default ratios and r = 0.1, capped by
     # p_max = 700: ell* = floor((576 + 144 + 1.5 * 2016) * 0.1) = 374, four points on [187, 500] plus ell*
-    records = {}
     for platform in ("inprocess", "llamacpp"):
-        record = records[platform] = json.loads((project / "outputs" / "timing_target" / f"{platform}.json").read_text())
+        record = json.loads((project / "outputs" / "timing_target" / f"{platform}.json").read_text())
         assert record["lengths"] == [187, 291, 374, 396, 500] and record["d_used"] == 576 and record["L"] == 30
         assert all(abs(e - t) <= 8 for e, t in zip(record["ell"], record["lengths"]))  # the server's own counts
         assert len(record["T"]) == 5 and np.all(np.isfinite(record["T"])) and np.all(np.array(record["sigma"]) >= 0)
