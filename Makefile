@@ -9,6 +9,11 @@ LAB    := $(VENV)/.lab-installed
 export JUPYTER_PREFER_ENV_PATH := 1
 export HF_HUB_OFFLINE ?= 1
 export PATH := $(abspath $(BIN)):$(PATH)
+# glibc hands a freed large block back to the kernel, so the next array faults its pages in again; where a fault is
+# slow (a VM whose host reclaims memory, as here: benchmarks/bench_page_faults.py) that is most of an allocating
+# loop's time. 1 GiB of padding at the heap's top keeps such blocks mapped (nv.models.loading's release_memory still
+# trims it where peak memory matters).
+export MALLOC_TOP_PAD_ ?= 1073741824
 
 .PHONY: repro test bench lab server serve clean-venv
 

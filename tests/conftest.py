@@ -30,7 +30,7 @@ TINY = {
     "sampling": {"N": 5000, "N0": 1000, "chunk": 50},
     "spectrum": {"whitebox_prompts": 60},
     "sweep": {"budgets": [2000, 5000]},
-    "exactness": {"D_values": [60, 120], "N_values": [2000, 5000], "temperatures": [2.0, 4.0], "validation_temperatures": [2.0, 4.0]},
+    "exactness": {"D_values": [60, 120], "N_values": [2000, 5000], "temperatures": [2.0, 4.0], "validation_temperatures": [2.0]},
     "planner": {"pilot_prompts": 60, "pilot_N": 1000},
     "model": {"batch_size": 48},
     "sample_complexity": {"D_values": [20, 40], "d_values": [8, 16], "runs": 2, "grid_points": 4},
