@@ -55,9 +55,13 @@ $(LAB): $(STAMP) requirements-interactive.txt
 	$(BIN)/pip install --quiet -r requirements-interactive.txt
 	touch $@
 
+# Two xdist workers, one module each at a time (module fixtures are built once); the DVC pipeline's module is
+# collected first (tests/conftest.py), so it runs beside the rest of the suite instead of after it. One thread per
+# worker (torch, OpenBLAS): two workers' spinning OpenMP threads on 2 cores slow each other down many times over
+# (the timing code still sets its own `threads`).
 test: $(STAMP) $(SERVER) $(LAB)
 	$(BIN)/dvc pull --quiet data.dvc
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

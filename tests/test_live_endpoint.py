@@ -33,7 +33,7 @@ REQUESTS = 2 + 4 + 4 * 8  # probe + search + D x N, one sample per request (llam
 
 @pytest.fixture(scope="module")
 def server():
-    with LlamaServer("embedded", n_ctx=512, n_threads=2) as s:
+    with LlamaServer("embedded", n_ctx=512, n_threads=1) as s:  # one core per `make test` worker
         yield s
 
 
@@ -478,7 +478,7 @@ def test_n_samples_per_request_where_honoured(server):
 
 
 # Phase 2 on the endpoint: a real calibration, made as the timing_fit stage makes one, on the endpoint's own platform
-# (a llama.cpp server with log-probs, 2 threads): two random-weight references with SmolLM2's layer shape (d = 576,
+# (a llama.cpp server with log-probs, 1 thread): two random-weight references with SmolLM2's layer shape (d = 576,
 # 9 / 3 heads, d_ffn = 1536) and known depths 10 and 40, timed with the App. D protocol below. Same platform, so
 # k = 1; the served model has L = 30 and P = 134,515,008 (the test prints the estimates beside them).
 REF_DEPTHS = (10, 40)
@@ -499,13 +499,13 @@ def calibration_file(lm32, tmp_path_factory):
         shape = shape_from_entry({"d": 576, "L": L, "n_kv_heads": 3, "d_ffn": 1536}, lm32.arch.vocab_size, 1024)
         gguf = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, f"ref-{L}"), embedded_gguf(), tmp / f"ref-{L}.gguf")
         lengths = sweep_lengths(576, 192, 1536, 1024, PROTOCOL["r"], PROTOCOL["n_lengths"])  # its true shape (App. D)
-        with LlamaServer(gguf, n_ctx=1024, n_threads=2) as s, HTTPOracle(s.base_url, s.model_name) as oracle:
+        with LlamaServer(gguf, n_ctx=1024, n_threads=1) as s, HTTPOracle(s.base_url, s.model_name) as oracle:
             rows = collect_timings(oracle, lengths, PROTOCOL["trials"], PROTOCOL["warmups"], 0, tmp / f"t{L}.jsonl",
                                    {"model": f"ref-{L}"}, progress=False)
         stats = summarize(rows, PROTOCOL["trim"])
         records.append({"model": f"ref-{L}", "role": "reference", "platform": "llamacpp", "L": L, "d": 576, "d_used": 576,
                         "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist()})
-    timing = {"platforms": {"llamacpp": {"r": PROTOCOL["r"], "trials": PROTOCOL["trials"], "threads": 2, "references": "all"}},
+    timing = {"platforms": {"llamacpp": {"r": PROTOCOL["r"], "trials": PROTOCOL["trials"], "threads": 1, "references": "all"}},
               **{k: v for k, v in PROTOCOL.items() if k not in ("r", "trials")}}
     cal = calibration({"llamacpp": records}, timing)
     assert cal["beta"] > 0 and cal["platform"] == "llamacpp"
@@ -518,11 +518,12 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     """`--timing-calibration`: after phase 1 the endpoint is timed on the sweep of d_hat and its depth and size are
     reported, from the calibration file's beta and alpha, with the transfer factor the user gives.
 
-    Measured here (2-core machine, other jobs running): basic L_hat 19.9-29.4 in most runs for the true 30, up to 48
-    when the load changed between calibration and attack; Eq. 10 15-34. On a degraded machine (stalls of seconds) it
-    left even a factor 2 (two CI runs failed there): 5 trials trimmed to 3 follow the machine, not the model. So the
-    accuracy is printed, not asserted (the README's, on an idle machine); asserted is what holds whatever the timings:
-    the sweep of d_hat = 576, the calibration used as written, Eq. 3 on the L_hat found, the journal's replay, and k."""
+    Measured here with 2 server threads (2-core machine, other jobs running): basic L_hat 19.9-29.4 in most runs for
+    the true 30, up to 48 when the load changed between calibration and attack; Eq. 10 15-34. On a degraded machine
+    (stalls of seconds) it left even a factor 2 (two CI runs failed there): 5 trials trimmed to 3 follow the machine,
+    not the model. So the accuracy is printed, not asserted (the README's, on an idle machine); asserted is what holds
+    whatever the timings: the sweep of d_hat = 576, the calibration used as written, Eq. 3 on the L_hat found, the
+    journal's replay, and k."""
     out = tmp_path / "out"
     params = write_params(root, tmp_path)
     common = attack_args(server.base_url, server.model_name, params, out, "--timing-calibration", str(calibration_file),

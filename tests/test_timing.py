@@ -177,7 +177,7 @@ def test_real_timing_through_a_llamacpp_server(lm32):
                            synthetic=True)
     target = TimedModel("embedded", "target", lm32, 576, 144, 2016, 8192, gguf=embedded_gguf())
     for model in (reference, target):
-        with platform_oracle("llamacpp", model, threads=2, n_ctx=512, seed=0) as oracle:
+        with platform_oracle("llamacpp", model, threads=1, n_ctx=512, seed=0) as oracle:
             rows = collect_timings(oracle, LENGTHS, 2, 2, 0, Path(tempfile.mkdtemp()) / "t.jsonl", {"model": model.name}, progress=False)
             assert oracle.cost.calls == 2 + 3 * 2
         for row in rows[1:]:
