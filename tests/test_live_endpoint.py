@@ -299,8 +299,10 @@ def test_dry_run_plans_the_calls_the_attack_made_and_sends_nothing(baseline, ser
 
 def test_faults_change_nothing_in_the_result(baseline, server, root, tmp_path):
     faults = {3: "429", 6: "500", 9: "timeout", 12: "truncate", 15: "reset", 24: "500", 25: "429"}
-    params = write_params(root, tmp_path, timeout=5)
-    with FaultProxy(server.base_url, faults, hold=6) as proxy:
+    # the client gives up after 15 s, the "timeout" fault holds 16 s, so a real reply slowed by a loaded machine is not
+    # taken for the injected fault (with 5 s the test failed once beside the pipeline's stages, two workers of 2 threads)
+    params = write_params(root, tmp_path, timeout=15)
+    with FaultProxy(server.base_url, faults, hold=16) as proxy:
         proc = run_attack(attack_args(proxy.url, server.model_name, params, tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
