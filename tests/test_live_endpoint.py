@@ -483,10 +483,12 @@ def test_n_samples_per_request_where_honoured(server):
 
 # Phase 2 on the endpoint: a real calibration, made as the timing_fit stage makes one, on the endpoint's own platform
 # (a llama.cpp server with log-probs, 1 thread): two random-weight references with SmolLM2's layer shape (d = 576,
-# 9 / 3 heads, d_ffn = 1536) and known depths 10 and 40, timed with the App. D protocol below. Same platform, so
-# k = 1; the served model has L = 30 and P = 134,515,008 (the test prints the estimates beside them).
-REF_DEPTHS = (10, 40)
-PROTOCOL = {"r": 0.02, "trials": 5, "warmups": 2, "trim": 0.2, "n_lengths": 5, "discard": 1, "kv_ratio": 0.25, "ffn_ratio": 3.5}
+# 9 / 3 heads, d_ffn = 1536) and known depths 4 and 16, timed with the App. D protocol below. Same platform, so
+# k = 1; the served model has L = 30 and P = 134,515,008 (the test prints the estimates beside them). Shallow
+# references and 4 trials (the middle 2 kept) because this test took 31 min on a degraded machine with depths 10
+# and 40 and 5 trials; the accuracy it prints is the protocol's at CI cost, not the README's.
+REF_DEPTHS = (4, 16)
+PROTOCOL = {"r": 0.02, "trials": 4, "warmups": 2, "trim": 0.25, "n_lengths": 5, "discard": 1, "kv_ratio": 0.25, "ffn_ratio": 3.5}
 
 
 @pytest.fixture(scope="module")
@@ -522,10 +524,10 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     """`--timing-calibration`: after phase 1 the endpoint is timed on the sweep of d_hat and its depth and size are
     reported, from the calibration file's beta and alpha, with the transfer factor the user gives.
 
-    Measured here with 2 server threads (2-core machine, other jobs running): basic L_hat 19.9-29.4 in most runs for
-    the true 30, up to 48 when the load changed between calibration and attack; Eq. 10 15-34. On a degraded machine
-    (stalls of seconds) it left even a factor 2 (two CI runs failed there): 5 trials trimmed to 3 follow the machine,
-    not the model. So the accuracy is printed, not asserted (the README's, on an idle machine); asserted is what holds
+    Measured here with references of depth 10 and 40, 5 trials and 2 server threads (2-core machine, other jobs
+    running): basic L_hat 19.9-29.4 in most runs for the true 30, up to 48 when the load changed between calibration
+    and attack; Eq. 10 15-34. On a degraded machine (stalls of seconds) it left even a factor 2 (two CI runs failed
+    there): a few trials follow the machine, not the model. So the accuracy is printed, not asserted (the README's, on an idle machine); asserted is what holds
     whatever the timings: the sweep of d_hat = 576, the calibration used as written, Eq. 3 on the L_hat found, the
     journal's replay, and k."""
     out = tmp_path / "out"
@@ -536,7 +538,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     t = report["timing"]
-    assert (t["d_hat"], t["k"], t["trials"], t["calibration_platform"]) == (576, 1.0, 5, "llamacpp")
+    assert (t["d_hat"], t["k"], t["trials"], t["calibration_platform"]) == (576, 1.0, 4, "llamacpp")
     # the timed lengths are the server's own prompt-token counts, rising along the App. D sweep of d_hat = 576 with
     # the default ratios: ell* = floor((576 + 144 + 1.5 * 2016) * 0.02) = 74, five points on [37, 3 ell* = 222] + ell*
     ell, T = np.array(t["lengths"]), np.array(t["T"])
@@ -560,7 +562,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert again["http"]["sent"] == 0 and again["timing"]["T"] == t["T"]
     assert again["timing"]["L_hat"] == pytest.approx(t["L_hat"] / 2, rel=1e-12)
     assert again["timing"]["L_hat_eq10"] == pytest.approx(t["L_hat_eq10"] / 2, rel=1e-12)
-    timed = 2 + 5 + 6 * 5  # warm-ups, the ell = 1 baseline's 5 trials, 6 lengths x 5 trials
+    timed = 2 + 4 + 6 * 4  # warm-ups, the ell = 1 baseline's 4 trials, 6 lengths x 4 trials
     assert again["cost"]["paper"]["calls"] == report["cost"]["paper"]["calls"] == 4 * 8 + 4 + timed
     # without a d_hat (tiny phase 1: not saturated) phase 2 says why instead of timing anything
     no_d = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out2", "--timing-calibration",
