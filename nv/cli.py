@@ -56,13 +56,15 @@ def attack(args: argparse.Namespace) -> int:
         if args.defence:
             raise NVError("--defence applies to --simulate only (a live endpoint's defences are its provider's)")
         return attack_live(args)
+    params = load_params(args.params, PHASE1_SECTIONS + ["defence"])
+    overrides = defence_overrides(params["defence"], args.defence)
+    out = _writable(Path(args.out))
+    # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
     from nv.oracle import Simulator
     from nv.oracle.defence import Defence, DefendedOracle
     from nv.phase1.pipeline import run
 
-    params = load_params(args.params, PHASE1_SECTIONS + ["defence"])
-    defence = Defence(**defence_overrides(params["defence"], args.defence))
-    out = _writable(Path(args.out))
+    defence = Defence(**overrides)
     model = {**params["model"], "spec": args.simulate}
     simulator = Simulator.from_params(model)
     oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
@@ -76,9 +78,6 @@ def attack(args: argparse.Namespace) -> int:
 
 
 def attack_live(args: argparse.Namespace) -> int:
-    from nv import live
-    from nv.oracle.http import Budget
-
     if not args.model:
         raise NVError("--base-url needs --model NAME (the model id the endpoint serves)")
     if args.budget_money is not None and args.price_per_mtok is None:
@@ -86,6 +85,9 @@ def attack_live(args: argparse.Namespace) -> int:
     if args.pilot and not args.dry_run:
         raise NVError("--pilot goes with --dry-run (it plans a run, it does not start one)")
     params = load_params(args.params, PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
+    from nv import live  # after the input is checked (see attack)
+    from nv.oracle.http import Budget
+
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
     plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
     if args.dry_run:

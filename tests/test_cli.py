@@ -14,17 +14,28 @@ from nv.phase1.planner import fit
 from nv.phase1.sampling import load_samples
 
 NV = [sys.executable, "-m", "nv.cli"]
+SEARCH = {"D": 40, "rounds": 1, "batch_size": 48}  # the tiny params' search cut to a third: two runs, ~2 min each here
+
+
+def small_params(root, tmp_path, **sampling):
+    """The tiny params with 40 prompts from one search round (and ``sampling`` overrides)."""
+    path = write_tiny_params(root, tmp_path)
+    params = yaml.safe_load(path.read_text())
+    params["search"].update(SEARCH)
+    params["sampling"].update(sampling)
+    path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    return path
 
 
 def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(root, tmp_path):
-    params = write_tiny_params(root, tmp_path)
+    params = small_params(root, tmp_path)
     out = tmp_path / "out"
     proc = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params), "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["model"] == "embedded" and report["d_true"] == 576 and report["D"] == 120
-    assert report["N"] == 5000 and report["calls"] == 120 * 5000 + 2 * 96
+    assert report["model"] == "embedded" and report["d_true"] == 576 and report["D"] == 40
+    assert report["N"] == 5000 and report["calls"] == 40 * 5000 + 48
     assert not report["saturated"] and report["reason"] == "not saturated"
     assert report["d_hat"] is None and 0 <= report["lower_bound"] <= 576  # a bound, never a confident number
     assert report["common_set_size"] < 576
@@ -35,10 +46,10 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     dry = subprocess.run(NV + planned + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     pilot = json.loads(dry.stdout.strip().splitlines()[-1])["pilot"]
-    assert (pilot["D0"], pilot["N0"]) == (120, 5000) and "planner (pilot)" in dry.stdout
+    assert (pilot["D0"], pilot["N0"]) == (40, 5000) and "planner (pilot)" in dry.stdout
     tail = fit(load_samples(out / "samples"), 3)
     for size, cost in pilot["common_set"].items():
-        N = tail.samples_for(int(size), 120, N_max=1e8)  # the plan is for the params' D = 120 prompts
+        N = tail.samples_for(int(size), 40, N_max=1e8)  # the plan is for the params' D = 40 prompts
         assert (cost is None) == (N is None) and (cost is None or cost["N"] == math.ceil(N)), (size, cost, N)
     Ns = [c["N"] for c in pilot["common_set"].values() if c]
     assert Ns and Ns == sorted(Ns) and Ns[0] > 5000  # the pilot's own 5000 calls share fewer than 512 tokens
@@ -57,17 +68,14 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
 def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, tmp_path):
     """sampling.N: auto on the real model, N_max far below saturation: rounds 1000, 2000, 2500 (nested draws), each
     estimated, the run ends at N_max not saturated, and the report carries every round."""
-    params_path = write_tiny_params(root, tmp_path)
-    params = yaml.safe_load(params_path.read_text())
-    params["sampling"].update(N="auto", N0=1000, N_max=2500, growth=2.0)
-    params_path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    params_path = small_params(root, tmp_path, N="auto", N0=1000, N_max=2500, growth=2.0)
     out = tmp_path / "out"
     proc = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params_path), "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert [r["N"] for r in report["adaptive"]] == [1000, 2000, 2500] and report["adaptive_stop"] == "N_max"
-    assert report["N"] == 2500 and report["calls"] == 120 * 2500 + 2 * 96 and not report["saturated"]
+    assert report["N"] == 2500 and report["calls"] == 40 * 2500 + 48 and not report["saturated"]
     assert report["adaptive"][-1]["lower_bound"] == report["lower_bound"] and report["adaptive"][-1]["C"] == report["common_set_size"]
     assert all(a["C"] <= b["C"] + 3 for a, b in zip(report["adaptive"], report["adaptive"][1:]))  # the common set grows with N
     assert "round 2: N = 2,500" in proc.stdout + proc.stderr
