@@ -55,8 +55,8 @@ $(LAB): $(STAMP) requirements-interactive.txt
 	$(BIN)/pip install --quiet -r requirements-interactive.txt
 	touch $@
 
-# Two xdist workers, one module each at a time (module fixtures are built once); the DVC pipeline's module is
-# collected first (tests/conftest.py), so it runs beside the rest of the suite instead of after it. One thread per
+# Two xdist workers, one module each at a time (module fixtures are built once); the longest modules are collected
+# first (tests/conftest.py: the DVC pipeline's beside the rest of the suite, short modules last to fill both workers). One thread per
 # worker (torch, OpenBLAS): two workers' spinning OpenMP threads on 2 cores slowed each other down ~2.5x here
 # (the timing code still sets its own `threads`).
 test: $(STAMP) $(SERVER) $(LAB)

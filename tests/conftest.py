@@ -12,10 +12,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
 
 
+# The longest modules, longest first (minutes on a degraded 2-core machine, one worker each: the pipeline ~45, the
+# live endpoint ~15, the softmax bottleneck 12.6, the CLI ~7, timing 5.6, packaged models 5.6, Carlini 4.7, ...).
+LONGEST = ("test_pipeline.py", "test_live_endpoint.py", "test_softmax_bottleneck.py", "test_cli.py", "test_timing.py",
+           "test_packaged.py", "test_carlini.py", "test_model.py", "test_search_sampling.py", "test_inspect.py",
+           "test_simulator.py", "test_defence.py", "test_probe.py", "test_lab_browser.py")
+
+
 def pytest_collection_modifyitems(items):
-    """The DVC pipeline's tests first: under `make test`'s two workers (xdist, --dist loadfile in collection order)
-    the longest module starts at once, beside the rest of the suite, not last."""
-    items.sort(key=lambda item: item.path.name != "test_pipeline.py")
+    """Longest modules first: `make test`'s two workers (xdist, --dist loadfile) take modules in collection order, so
+    the pipeline runs beside the rest of the suite and the suite ends on short modules, both workers busy (longest
+    processing time first), not on one worker finishing a long module alone."""
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST)))
 
 
 @pytest.fixture(scope="session")
