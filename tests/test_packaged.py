@@ -4,7 +4,6 @@ the real packages' GGUF headers against the table; one real Qwen2 model loaded a
 from __future__ import annotations
 
 import hashlib
-import os
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from nv.errors import NVError
 from nv.models.packaged import PACKAGED, Packaged, gguf_facts, models_dir, packaged_gguf
 
-CHUNKS = [os.urandom(1000), os.urandom(1000), os.urandom(337)]
+CHUNKS = [np.random.default_rng(seed).bytes(n) for seed, n in enumerate((1000, 1000, 337))]
 WHOLE = b"".join(CHUNKS)
 
 
@@ -72,7 +71,7 @@ def test_a_missing_package_is_a_one_line_error(fake):
 
 def test_a_corrupt_chunk_fails_the_checksum_and_leaves_nothing(fake):
     where, cache, table = fake
-    (where / "fakepkg_part3" / "data" / "part3.bin").write_bytes(CHUNKS[2][:-1] + b"x")
+    (where / "fakepkg_part3" / "data" / "part3.bin").write_bytes(CHUNKS[2][:-1] + bytes([CHUNKS[2][-1] ^ 0xFF]))
     with pytest.raises(NVError, match=r"^model 'fake': the installed chunks assemble to 2,337 bytes with SHA-256 .* reinstall"):
         packaged_gguf("fake", cache, where, table)
     assert not list((cache / "packaged").iterdir())
