@@ -10,7 +10,7 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, measure_cached
+from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, matched_references, measure_cached
 from nv.phase2.protocol import LengthTimings, collect_timings, timing_prompt
 
 
@@ -112,3 +112,14 @@ def test_probe_recovers_depth_on_a_known_law():
     with pytest.raises(NVError, match="3 context lengths"):
         fit_probe(synthetic_rows(12, 384, 2e-9, rng)[:2])
 
+
+
+def test_matched_references_sit_at_the_targets_width_with_the_default_ratios():
+    refs = matched_references(896, (12, 24), kv_ratio=0.25, ffn_ratio=3.5)
+    # 14 heads of 64: 0.25 x 14 = 3.5 KV heads, and the divisors of 14 nearest it are 2 (1.5 away) before 7
+    assert refs == {"m-896x12": {"d": 896, "L": 12, "n_kv_heads": 2, "d_ffn": 3136},
+                    "m-896x24": {"d": 896, "L": 24, "n_kv_heads": 2, "d_ffn": 3136}}
+    assert {e["n_kv_heads"] for e in matched_references(576, (10, 20), 0.25, 3.5).values()} == {3}  # 9 heads: 2.25 -> 3
+    assert {e["n_kv_heads"] for e in matched_references(512, (10, 20), 0.25, 3.5).values()} == {2}  # 8 heads: exactly 2
+    with pytest.raises(NVError, match="multiple of the head size 64, got 900"):
+        matched_references(900, (12, 24), 0.25, 3.5)

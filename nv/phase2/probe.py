@@ -100,6 +100,20 @@ def depth_probe(rate: float, b: float, d_hat: float) -> float:
     return rate / (b * d_hat)
 
 
+def matched_references(d_hat: int, depths: tuple[int, ...], kv_ratio: float, ffn_ratio: float,
+                       head_dim: int = 64) -> dict[str, dict]:
+    """References at the target's own width: one random-weight shape {d, L, n_kv_heads, d_ffn} per depth in
+    ``depths``, d = d_hat, heads of ``head_dim``, n_kv the divisor of the head count nearest kv_ratio x heads and
+    d_ffn = ffn_ratio x d_hat (the attacker's default ratios: the target's own are unknown). Measured on this CPU, b
+    moves with d and n_kv (README: the attention probe), so b calibrated at d_hat itself leaves only the KV guess."""
+    if d_hat <= 0 or d_hat % head_dim:
+        raise NVError(f"d_hat must be a positive multiple of the head size {head_dim}, got {d_hat}")
+    heads = d_hat // head_dim
+    n_kv = min((k for k in range(1, heads + 1) if heads % k == 0), key=lambda k: (abs(k - kv_ratio * heads), k))
+    return {f"m-{d_hat}x{L}": {"d": d_hat, "L": int(L), "n_kv_heads": n_kv, "d_ffn": int(round(ffn_ratio * d_hat))}
+            for L in depths}
+
+
 def leave_one_out(rate: np.ndarray, L: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Each reference's L_hat from the calibration of the others (the probe's own error on its family)."""
     rate, L, d = (np.asarray(v, dtype=np.float64) for v in (rate, L, d))
