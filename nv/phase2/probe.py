@@ -104,8 +104,9 @@ def matched_references(d_hat: int, depths: tuple[int, ...], kv_ratio: float, ffn
                        head_dim: int = 64) -> dict[str, dict]:
     """References at the target's own width: one random-weight shape {d, L, n_kv_heads, d_ffn} per depth in
     ``depths``, d = d_hat, heads of ``head_dim``, n_kv the divisor of the head count nearest kv_ratio x heads and
-    d_ffn = ffn_ratio x d_hat (the attacker's default ratios: the target's own are unknown). Measured on this CPU, b
-    moves with d and n_kv (README: the attention probe), so b calibrated at d_hat itself leaves only the KV guess."""
+    d_ffn = ffn_ratio x d_hat (the attacker's default ratios: the target's own are unknown). On this CPU b moves with d
+    and n_kv, and by up to 30 % between runs of one shape (README: the attention probe); calibrating at d_hat removes
+    the first of these only."""
     if d_hat <= 0 or d_hat % head_dim:
         raise NVError(f"d_hat must be a positive multiple of the head size {head_dim}, got {d_hat}")
     heads = d_hat // head_dim
