@@ -80,15 +80,11 @@ def main() -> int:
     unknown = sorted(set(args.references or []) - set(family))
     if unknown:
         ap.error(f"--references {unknown} not in params.yaml's timing_family")
-    for name, entry in family.items():
-        if args.references is not None and name not in args.references:
-            continue
+    references = {name: entry for name, entry in family.items() if args.references is None or name in args.references}
+    references.update({f"s-{d}x{L}-kv{kv}-f{ffn}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn}
+                       for d, L, kv, ffn in args.shape})
+    for name, entry in references.items():
         results.append(probe(reference_model(name, entry, base, params["seed"]), args.platform, contexts, args, params))
-        gc.collect()
-    for d, L, kv, ffn in args.shape:
-        entry = {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn}
-        results.append(probe(reference_model(f"s-{d}x{L}-kv{kv}-f{ffn}", entry, base, params["seed"]), args.platform,
-                             contexts, args, params))
         gc.collect()
     for spec in args.models:
         lm = base if spec == "embedded" else load_model(spec, dtype=model["dtype"], device=model["device"])
@@ -107,13 +103,14 @@ def main() -> int:
         release_memory()
     refs = [r for r in results if r["role"] == "reference"]
     targets = [r for r in results if r["role"] == "target"]
-    print(f"\n{'model':<22} {'L':>4} {'L_hat':>7} {'error':>8}")
     b = None
     if len(refs) >= 2:
         rate, L, d = (np.array([r[k] for r in refs], dtype=np.float64) for k in ("rate", "L", "d"))
         b = calibrate_probe(rate, L, d)
-        print(f"b = {b * 1e12:.4f} ps per (new token x context token x layer x hidden unit), from {len(refs)} references")
-        for r, L_hat in zip(refs, leave_one_out(rate, L, d)):
+        print(f"\nb = {b * 1e12:.4f} ps per (new token x context token x layer x hidden unit), from {len(refs)} references")
+    print(f"\n{'model':<22} {'L':>4} {'L_hat':>7} {'error':>8}")
+    if b is not None:
+        for r, L_hat in zip(refs, leave_one_out(rate, L, d) if len(refs) >= 3 else []):  # each needs two others
             r["L_hat"] = float(L_hat)
             print(f"{r['model']:<22} {r['L']:>4} {L_hat:7.1f} {(L_hat - r['L']) / r['L']:+8.1%}   (leave-one-out)")
         for r in targets:

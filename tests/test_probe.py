@@ -113,7 +113,6 @@ def test_probe_recovers_depth_on_a_known_law():
         fit_probe(synthetic_rows(12, 384, 2e-9, rng)[:2])
 
 
-
 def test_matched_references_sit_at_the_targets_width_with_the_default_ratios():
     refs = matched_references(896, (12, 24), kv_ratio=0.25, ffn_ratio=3.5)
     # 14 heads of 64: 0.25 x 14 = 3.5 KV heads, and the divisors of 14 nearest it are 2 (1.5 away) before 7

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nv.errors import NVError
+from nv.models.reference_family import HEAD_DIM
 from nv.oracle.base import Oracle
 from nv.phase2.protocol import LengthTimings, TokenScale, timing_prompt
 
@@ -100,16 +101,15 @@ def depth_probe(rate: float, b: float, d_hat: float) -> float:
     return rate / (b * d_hat)
 
 
-def matched_references(d_hat: int, depths: tuple[int, ...], kv_ratio: float, ffn_ratio: float,
-                       head_dim: int = 64) -> dict[str, dict]:
+def matched_references(d_hat: int, depths: tuple[int, ...], kv_ratio: float, ffn_ratio: float) -> dict[str, dict]:
     """References at the target's own width: one random-weight shape {d, L, n_kv_heads, d_ffn} per depth in
-    ``depths``, d = d_hat, heads of ``head_dim``, n_kv the divisor of the head count nearest kv_ratio x heads and
+    ``depths``, d = d_hat, heads of HEAD_DIM (the family's), n_kv the divisor of the head count nearest kv_ratio x heads and
     d_ffn = ffn_ratio x d_hat (the attacker's default ratios: the target's own are unknown). On this CPU b moves with d
     and n_kv, and by up to 30 % between runs of one shape (README: the attention probe); calibrating at d_hat removes
     the first of these only."""
-    if d_hat <= 0 or d_hat % head_dim:
-        raise NVError(f"d_hat must be a positive multiple of the head size {head_dim}, got {d_hat}")
-    heads = d_hat // head_dim
+    if d_hat <= 0 or d_hat % HEAD_DIM:
+        raise NVError(f"d_hat must be a positive multiple of the head size {HEAD_DIM}, got {d_hat}")
+    heads = d_hat // HEAD_DIM
     n_kv = min((k for k in range(1, heads + 1) if heads % k == 0), key=lambda k: (abs(k - kv_ratio * heads), k))
     return {f"m-{d_hat}x{L}": {"d": d_hat, "L": int(L), "n_kv_heads": n_kv, "d_ffn": int(round(ffn_ratio * d_hat))}
             for L in depths}
