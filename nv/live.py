@@ -102,7 +102,8 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
 def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
-    adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable; cumulative tokens (§5) by round: "
+    adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
+                "larger);\n  cumulative tokens (§5) by round while unsaturated: "
                 + ", ".join(f"N = {r['N']:,}: {r['tokens_paper']:.3g}" for r in p["rounds"])
                 + "\n                    (the caps above are for N_max; a budget cap ends the run after its last affordable round)"
                 ) if p["adaptive"] else ""

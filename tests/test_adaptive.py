@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.phase1.adaptive import merge, round_seed, sample_adaptive, schedule, stopped
+from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, schedule, stopped
 from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import estimate
@@ -28,6 +28,14 @@ def test_schedule_grows_geometrically_to_n_max():
     for bad in ((0, 10, 2.0), (20, 10, 2.0), (10, 100, 1.0)):
         with pytest.raises(NVError, match="adaptive sampling needs"):
             schedule(*bad)
+
+
+def test_a_saturated_round_that_fails_its_check_is_followed_by_one_sqrt2_larger():
+    """Its successor's check (N / sqrt 2, thinned) is then that round's own budget, already found saturated."""
+    assert next_budget(1000, False, 10**6) == 2000 and next_budget(1000, True, 10**6) == 1415
+    assert int(next_budget(320_000, True, 10**6) / math.sqrt(2)) == 320_000
+    assert next_budget(1000, True, 10**6, growth=1.2) == 1200  # a growth below sqrt 2 stays
+    assert next_budget(900_000, True, 10**6) == next_budget(900_000, False, 10**6) == 10**6
 
 
 def test_merged_rounds_are_one_nested_sample(tmp_path):
@@ -67,6 +75,10 @@ def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
                                        {"m": "toy"}, progress=False, report=lines.append)
     assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].check_d_hat_raw in (11, 12, 13)
     assert len(rounds) >= 3 and rounds[-1].N < sampling["N_max"]  # it stopped by itself, before N_max
+    # each round's size follows from the one before: x2 while unsaturated; here a saturated round failed its check
+    # and the next, sqrt(2) larger, was checked at that round's own N
+    assert all(b.N == next_budget(a.N, a.saturated, sampling["N_max"]) for a, b in zip(rounds, rounds[1:]))
+    assert rounds[-2].saturated and rounds[-1].check_N == rounds[-2].N
     assert len(lines) == len(rounds) and f"round {len(rounds) - 1}: N = {rounds[-1].N:,}" in lines[-1]
     S = load_samples(out)
     assert S.N == rounds[-1].N and S.D == len(PROMPTS) and S.tokens() == rounds[-1].tokens

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from nv.errors import NVError
-from nv.phase1.adaptive import stopped
+from nv.phase1.adaptive import next_budget, stopped
 from nv.phase1.exactness import (adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio, first, grid,
                                  outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_on
@@ -116,16 +116,20 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
     rounds, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
     assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].N < S.N
-    assert [r.N for r in rounds] == [250 * 2**r.round for r in rounds] and len(rounds) >= 2
-    assert [r.round for r in rounds] == list(range(rounds[0].round, rounds[-1].round + 1))
+    assert [r.round for r in rounds] == list(range(rounds[0].round, rounds[-1].round + 1)) and len(rounds) >= 3
+    # the loop's path: x2 up to the first saturated round (which here fails its check), then sqrt(2) larger
+    assert rounds[0].N == 250 * 2**rounds[0].round and not rounds[0].saturated
+    assert all(b.N == next_budget(a.N, a.saturated, sampling["N_max"]) for a, b in zip(rounds, rounds[1:]))
+    assert rounds[-2].saturated and rounds[-1].check_N == rounds[-2].N
     assert rounds[-1].tokens == S.subsample(rounds[-1].N, 0).tokens() and rounds[-1].calls == S.D * rounds[-1].N
-    assessed = {r.N: r for r in rounds}
-    for N in (250 * 2**k for k in range(rounds[-1].round + 1)):
+    for N in [250 * 2**k for k in range(rounds[0].round + 1)] + [r.N for r in rounds]:
         est = estimate_on(common_set(S.subsample(N, 0)).Y, "robust", SPECTRUM["robust"])
         check = estimate_on(common_set(S.subsample(N, 0).subsample(int(N / math.sqrt(2)), 0)).Y, "robust", SPECTRUM["robust"])
         assert stopped(est, check) == (N == rounds[-1].N), N
-        if N in assessed:
-            assert (assessed[N].saturated, assessed[N].d_hat_raw) == (est.saturated, est.d_hat_raw)
+        assert est.saturated == (N > rounds[0].N), N  # the first saturated round is the path's second
+        assessed = next((r for r in rounds if r.N == N), None)
+        if assessed:
+            assert (assessed.saturated, assessed.d_hat_raw) == (est.saturated, est.d_hat_raw)
     # the search ends at an unsaturated round; draws that run out first: the last round is the stored N (here
     # unsaturated); none at all below N_0
     assert not rounds[0].saturated

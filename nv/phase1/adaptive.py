@@ -7,16 +7,21 @@ Y_hat is pruned to its common set and given to the robust estimator. Stop rule: 
 N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no new calls), saturated again with
 d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
 would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
+A round that is saturated but fails its check is followed by one sqrt(2) larger instead of growth x larger
+(``next_budget``): its check then falls on the budget already found saturated, so the loop pays at most sqrt(2)
+past the first budget whose own check would pass, where doubling paid 2x.
 Otherwise the loop stops at ``N_max`` or at a budget cap (``Budget`` of the HTTP oracle), reporting not
 saturated with its lower bound and the cost of the next round.
 
 Each finished round is a sampling folder (``nv.phase1.sampling.collect``) under the checkpoint root, keyed by
-the round's seed and size: a rerun after a stop redoes no finished round, and on an endpoint the journal
-answers every request already paid for.
+the round's seed and size: a rerun after a stop redoes no finished round (the estimates that chose each next
+size are recomputed, so the same rounds follow), and on an endpoint the journal answers every request already
+paid for.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,13 +37,24 @@ from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_sample
 from nv.phase1.spectrum import SpectrumEstimate
 
 
+CHECK = math.sqrt(2)  # round r's check: its draws thinned to N_r / CHECK
+
+
+def next_budget(N: int, saturated: bool, N_max: int, growth: float = 2.0) -> int:
+    """The round after one of N calls per prompt: growth x N, or min(growth, sqrt 2) x N after a saturated round
+    whose check failed (its successor's check is then N itself), capped at N_max."""
+    if not 1 <= N <= N_max or growth <= 1:
+        raise NVError(f"adaptive sampling needs 1 <= N <= N_max and growth > 1, got N={N}, N_max={N_max}, growth={growth}")
+    return min(N_max, math.ceil(N * (min(growth, CHECK) if saturated else growth)))
+
+
 def schedule(N0: int, N_max: int, growth: float = 2.0) -> list[int]:
-    """The rounds' cumulative N: N_0, growth N_0, growth^2 N_0, ..., the last capped at N_max."""
-    if not 1 <= N0 <= N_max or growth <= 1:
-        raise NVError(f"adaptive sampling needs 1 <= N0 <= N_max and growth > 1, got N0={N0}, N_max={N_max}, growth={growth}")
+    """The rounds' cumulative N while no round is saturated: N_0, growth N_0, growth^2 N_0, ..., the last capped
+    at N_max (the most rounds a budget plan needs to afford)."""
+    next_budget(N0, False, N_max, growth)  # the params' check
     out = [N0]
     while out[-1] < N_max:
-        out.append(min(N_max, math.ceil(out[-1] * growth)))
+        out.append(next_budget(out[-1], False, N_max, growth))
     return out
 
 
@@ -116,7 +132,7 @@ def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict, 
     Y_hat of N_r = ``budget["N"]`` calls per prompt, or a view of it, ``nv.defences``) and its cost
     (``SampledMatrix.budget``): when saturated, estimated again on ``check(N_r / sqrt(2))``, the matrix of the same
     draws thinned to that N (hypergeometric); returns the round and whether the stop rule holds."""
-    check_N = max(1, int(budget["N"] / math.sqrt(2)))
+    check_N = max(1, int(budget["N"] / CHECK))
     checked = estimate_on(check(check_N), "robust", robust) if est.saturated else est
     done = Round(r, budget["N"], *shape, est.saturated, est.d_hat_raw, est.lower_bound, check_N,
                  checked.d_hat_raw if est.saturated else None, budget["tokens"], budget["calls"])
@@ -139,10 +155,12 @@ def sample_adaptive(
     """Sample in rounds until the stop rule holds, N_max is reached or the oracle refuses the next round (a budget
     cap: ``NVError`` from the oracle). Writes the merged Y_hat to ``out_dir`` (``load_samples`` reads it); returns
     it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message)."""
-    plan = schedule(sampling["N0"], sampling["N_max"], sampling["growth"])
+    N_max, growth = sampling["N_max"], sampling["growth"]
+    N, previous = sampling["N0"], 0
+    next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
     rounds, why, merged = [], "N_max", None
-    for r, N in enumerate(plan):
-        delta = N - (plan[r - 1] if r else 0)
+    for r in itertools.count():
+        delta = N - previous
         folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
         if not _finished(folder, delta, len(prompts)):
             try:
@@ -165,6 +183,9 @@ def sample_adaptive(
         if stable:
             why = "stable"
             break
+        if N >= N_max:
+            break
+        previous, N = N, next_budget(N, done.saturated, N_max, growth)
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
     return Path(out_dir), rounds, why
 

@@ -20,7 +20,7 @@ import pandas as pd
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
-from nv.phase1.adaptive import Round, assess, round_estimate, schedule
+from nv.phase1.adaptive import Round, assess, next_budget, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
@@ -130,48 +130,76 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``).
     Round r assesses the view of the first N_r calls of each prompt of S as the live loop does (``assess``; thinning is
     exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2) (in one
-    pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); every view shares the
-    round's thinning. The schedule is the loop's, capped at S.N.
+    pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); views at the same N
+    share its thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule``, capped at
+    S.N), then as ``next_budget`` picks them.
 
-    Searched down from S.N: a view's rounds are assessed from the top while saturated. The loop stops at the first
-    round that meets its rule, which needs a saturated estimate; taking every round below an unsaturated one as
-    unsaturated too (more calls per prompt only grow the common set), that is the lowest rule-meeting round of the
-    saturated run at the top, found without thinning the rounds below it. Per view: the rounds assessed up to the
-    stop (ascending) and why the loop stopped there, "stable", or "stored draws" when S.N came first (the live loop
-    would go on to N_max; no round at all when S.N < N_0)."""
-    plan = schedule(sampling["N0"], min(sampling["N_max"], S.N), sampling["growth"]) if S.N >= sampling["N0"] else []
-    rounds = {key: [] for key in views}
-    stop = dict.fromkeys(views)
-    active = list(views)
+    Searched down from S.N for the first saturated round: the growth rounds are assessed from the top while saturated;
+    taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the common set),
+    the lowest of that saturated run is where the loop first saturates, found without thinning the rounds below it.
+    From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on the loop's
+    path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws" when its
+    next round is beyond S.N (the live loop would go on; no round at all when S.N < N_0)."""
+    N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]
+    plan = schedule(N0, min(N_max, S.N), growth) if S.N >= N0 else []
     views = {key: view or _common for key, view in views.items()}
-    for r in tqdm(range(len(plan) - 1, -1, -1), desc="adaptive replay (down from S.N)", unit="round", disable=len(views) == 1):
-        if not active:
-            break
-        S_r = S.subsample(plan[r], seed)
-        at_N_r = {key: round_estimate(views[key](S_r), robust) for key in active}  # every view's, then S_r is freed
-        budget = S_r.budget()
-        del S_r  # the checks are thinned from S itself (``then``): S and one thinned sample in memory at a time
-        checks = {}
+    down = {key: [] for key in views}  # the growth rounds assessed and whether each met the rule, top down
+    path, ahead, why = {}, {}, {}
 
-        def thinned(n: int) -> SampledMatrix:
-            if n not in checks:
-                checks[n] = S.subsample(plan[r], seed, then=n)
-            return checks[n]
-
-        for key in list(active):
-            done, stable = assess(r, *at_N_r[key], budget, robust, lambda n: views[key](thinned(n)))
-            rounds[key].insert(0, done)
-            stop[key] = r if stable else stop[key]
-            if not done.saturated:
-                active.remove(key)
-        del checks
-    out = {}
-    for key in views:
-        if stop[key] is None:
-            out[key] = (rounds[key], "stored draws")
+    def step(key: Hashable, done: Round, stable: bool) -> None:
+        """A round on the loop's path: stop there, or note the next round to assess."""
+        path[key].append(done)
+        nxt = next_budget(done.N, done.saturated, N_max, growth) if done.N < N_max else None
+        if stable or nxt is None or nxt > S.N:
+            why[key] = "stable" if stable else "N_max" if nxt is None else "stored draws"
         else:
-            out[key] = ([x for x in rounds[key] if x.round <= stop[key]], "stable")
-    return out
+            ahead[key] = (done.round + 1, nxt)
+
+    with tqdm(desc="adaptive replay", unit="round", disable=len(views) == 1) as bar:
+        active = list(views)
+        for r in range(len(plan) - 1, -1, -1):
+            if not active:
+                break
+            for key, (done, stable) in _assess_at(S, plan[r], {key: views[key] for key in active}, dict.fromkeys(active, r),
+                                                  robust, seed).items():
+                down[key].insert(0, (done, stable))
+                if not done.saturated:
+                    active.remove(key)
+            bar.update()
+        for key, assessed in down.items():
+            path[key] = [done for done, _ in assessed if not done.saturated][-1:]  # the last unsaturated round, if any
+            first = next(((done, stable) for done, stable in assessed if done.saturated), None)
+            if first is None:
+                why[key] = "N_max" if plan and plan[-1] == N_max else "stored draws"
+            else:
+                step(key, *first)
+        while ahead:  # the loop forward from its first saturated round, views at the same N together
+            N = min(n for _, n in ahead.values())
+            at_N = {key: r for key, (r, n) in ahead.items() if n == N}
+            for key in at_N:
+                del ahead[key]
+            for key, (done, stable) in _assess_at(S, N, {key: views[key] for key in at_N}, at_N, robust, seed).items():
+                step(key, done, stable)
+            bar.update()
+    return {key: (path[key], why[key]) for key in views}
+
+
+def _assess_at(S: SampledMatrix, N: int, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray]],
+               rounds: dict[Hashable, int], robust: dict, seed: int) -> dict[Hashable, tuple[Round, bool]]:
+    """``assess`` of every view at the first N calls of S (as round ``rounds[key]``), its check thinned from S
+    itself: S and one thinned sample in memory at a time."""
+    S_N = S.subsample(N, seed)
+    at_N = {key: round_estimate(view(S_N), robust) for key, view in views.items()}  # every view's, then S_N is freed
+    budget = S_N.budget()
+    del S_N
+    checks = {}
+
+    def thinned(n: int) -> SampledMatrix:
+        if n not in checks:
+            checks[n] = S.subsample(N, seed, then=n)
+        return checks[n]
+
+    return {key: assess(rounds[key], *at_N[key], budget, robust, lambda n, key=key: views[key](thinned(n))) for key in views}
 
 
 def _common(S: SampledMatrix) -> np.ndarray:
