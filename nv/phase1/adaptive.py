@@ -115,6 +115,11 @@ class Round:
                 f"spent {self.tokens:.3g} tokens, {self.calls:.3g} calls")
 
 
+def after(done: Round, stable: bool, N_max: int, growth: float) -> int | None:
+    """The loop's next round after ``done`` (``next_budget``), or None where it stops: its rule holds, or N_max."""
+    return None if stable or done.N >= N_max else next_budget(done.N, done.saturated, N_max, growth)
+
+
 def stopped(estimate_: SpectrumEstimate, check: SpectrumEstimate) -> bool:
     """The stop rule: saturated at N_r and at the thinned check budget, within +-1."""
     return (estimate_.saturated and check.saturated
@@ -158,7 +163,7 @@ def sample_adaptive(
     N_max, growth = sampling["N_max"], sampling["growth"]
     N, previous = sampling["N0"], 0
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
-    rounds, why, merged = [], "N_max", None
+    rounds, merged = [], None
     for r in itertools.count():
         delta = N - previous
         folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
@@ -180,12 +185,11 @@ def sample_adaptive(
                               lambda n: common_set(merged.subsample(n, seed)).Y)
         rounds.append(done)
         report(done.line())
-        if stable:
-            why = "stable"
+        nxt = after(done, stable, N_max, growth)
+        if nxt is None:
+            why = "stable" if stable else "N_max"
             break
-        if N >= N_max:
-            break
-        previous, N = N, next_budget(N, done.saturated, N_max, growth)
+        previous, N = N, nxt
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
     return Path(out_dir), rounds, why
 

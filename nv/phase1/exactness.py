@@ -20,7 +20,7 @@ import pandas as pd
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
-from nv.phase1.adaptive import Round, assess, next_budget, round_estimate, schedule
+from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
@@ -132,7 +132,7 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2) (in one
     pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); views at the same N
     share its thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule``, capped at
-    S.N), then as ``next_budget`` picks them.
+    S.N), then as the loop picks them (``after``).
 
     Searched down from S.N for the first saturated round: the growth rounds are assessed from the top while saturated;
     taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the common set),
@@ -149,8 +149,8 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
     def step(key: Hashable, done: Round, stable: bool) -> None:
         """A round on the loop's path: stop there, or note the next round to assess."""
         path[key].append(done)
-        nxt = next_budget(done.N, done.saturated, N_max, growth) if done.N < N_max else None
-        if stable or nxt is None or nxt > S.N:
+        nxt = after(done, stable, N_max, growth)
+        if nxt is None or nxt > S.N:
             why[key] = "stable" if stable else "N_max" if nxt is None else "stored draws"
         else:
             ahead[key] = (done.round + 1, nxt)
