@@ -1,7 +1,7 @@
 """Adaptive sampling (nv.phase1.adaptive, sampling.N: auto) on a synthetic toy LM whose rank is known
 (tests/synthetic.py): the loop stops at the first round where the stop rule holds, with the right d; it reports
-not saturated when N_max is too small; a rerun draws nothing twice. The live-endpoint resume is tested in
-tests/test_live_endpoint.py."""
+not saturated when N_max is too small; a rerun draws nothing twice; on the simulator (the real embedded model) the
+rounds share one forward pass per batch. The live-endpoint resume is tested in tests/test_live_endpoint.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
+from nv.oracle import Simulator
+from nv.oracle.defence import Defence, DefendedOracle
 from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, schedule, stopped
 from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import collect, load_samples
@@ -103,3 +105,28 @@ def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):
                                      {"m": "toy"}, progress=False, report=lambda line: None)
     assert why == "N_max" and [r.N for r in rounds] == [100, 200]
     assert not rounds[-1].saturated and rounds[-1].d_hat_raw is None and 0 <= rounds[-1].lower_bound <= 12
+
+
+def test_on_the_simulator_the_rounds_share_one_forward_pass_per_batch(lm32, tmp_path):
+    """The loop runs inside ``oracle.repeats()``: the simulator keeps each sampled batch's logits, so rounds after the
+    first run no forward pass, and every round's draws are bit for bit those of a fresh simulator (the same batches,
+    the same logits); nothing is kept after the loop. A defence wrapper opens its backend's span."""
+    sim, fresh = Simulator(lm32, batch_size=4), Simulator(lm32, batch_size=4)
+    passes, forward = [], sim._logit_tensor
+    sim._logit_tensor = lambda batch: passes.append(len(batch)) or forward(batch)
+    prompts = PROMPTS[:10]
+    sampling = {"N0": 100, "N_max": 400, "growth": 2.0, "temperature": 2.0, "chunk": 5}
+    _, rounds, _ = sample_adaptive(sim, prompts, sampling, ROBUST, 0, tmp_path / "s", sim.vocab_size, tmp_path / "ck",
+                                   {"m": "smol"}, progress=False, report=lambda line: None)
+    assert [r.N for r in rounds] == [100, 200, 400] and sum(passes) == len(prompts) and sim._kept is None
+    for r, folder in enumerate(sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))):
+        delta = rounds[r].N - (rounds[r - 1].N if r else 0)
+        collect(fresh, prompts, delta, 2.0, round_seed(0, r), tmp_path / f"fresh{r}", sim.vocab_size, tmp_path / "ck2",
+                {"m": "smol"}, 5, False)
+        a, b = load_samples(folder), load_samples(tmp_path / f"fresh{r}")
+        for x, y in ((a.counts, b.counts), (a.logprobs, b.logprobs)):
+            assert all(np.array_equal(getattr(x, k), getattr(y, k)) for k in ("data", "indices", "indptr")), r
+    assert sim.cost.as_dict() == fresh.cost.as_dict()  # charged as if every round had run its own forward passes
+    with DefendedOracle(sim, Defence(round_decimals=2), 0).repeats():
+        assert sim._kept == {}
+    assert sim._kept is None

@@ -9,7 +9,8 @@ tokens = (system prompt + input tokens + output tokens) * (# samples), no cachin
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -90,3 +91,9 @@ class Oracle(ABC):
     @abstractmethod
     def time_request(self, prompt: str) -> TimedCall:
         """One call with one output token, timed client-side from request to that token."""
+
+    @contextmanager
+    def repeats(self) -> Iterator[None]:
+        """A span in which the same prompts are sampled again (the adaptive loop's rounds): a backend may keep what
+        it computed for them until the span ends. The answers are the same either way; by default nothing is kept."""
+        yield

@@ -259,6 +259,9 @@ class DefendedOracle(Oracle):
     def argmax(self, prompts: Sequence[str]) -> list[Samples]:
         return [self._report(s, self._argmax_rng, withheld="nan") for s in self.inner.argmax(prompts)]
 
+    def repeats(self):
+        return self.inner.repeats()
+
     def time_request(self, prompt: str) -> TimedCall:
         d = self.defence
         if d.pad_to_tokens is None:

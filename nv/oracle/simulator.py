@@ -13,6 +13,9 @@ near-tied prompts does not follow the last bits of a host's bf16 kernels; the we
 Batches are right-padded and share the chat-template prefix: its KV cache is computed once
 and reused, so each prompt only runs its own ~6 suffix tokens.
 
+Inside ``repeats()`` (the adaptive loop's rounds) each sampled batch's logits are kept (2 bytes per vocabulary entry
+per prompt in bf16), so a round after the first runs no forward pass: the same batches, the same logits.
+
 ``prompt_cache`` (timed calls only): a serving engine's prompt cache, as llama.cpp's server keeps per slot (and vLLM's
 automatic prefix caching, which keeps more): a timed call reuses the KV of the longest token prefix it shares with
 the previous timed call and computes only the rest (the attention probe of phase 2 needs it; App. D's protocol defeats it
@@ -76,6 +79,7 @@ class Simulator(Oracle):
         self._prefix_kv: dict[object, list] = {}  # per compute dtype
         self.prompt_cache = prompt_cache
         self._cached: tuple[list[int], object] = ([], None)  # the last timed call's ids and KV cache
+        self._kept: dict[tuple[str, ...], tuple] | None = None  # inside repeats(): each sampled batch's logits
 
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
@@ -106,7 +110,7 @@ class Simulator(Oracle):
             raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
         out = []
         for batch, batch_seeds in zip(self._batches(prompts), self._batches(seeds)):
-            for z, ell, seed in zip(*self._forward(batch), batch_seeds):
+            for z, ell, seed in zip(*self._forward(batch, keep=True), batch_seeds):
                 y_tau = log_softmax(z / temperature)
                 counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau))
                 idx = np.flatnonzero(counts)
@@ -149,6 +153,15 @@ class Simulator(Oracle):
             elapsed = time.perf_counter() - start
         self.cost.charge(len(ids), calls=1)
         return TimedCall(elapsed, len(ids))
+
+    @contextmanager
+    def repeats(self) -> Iterator[None]:
+        """Keep each sampled batch's logits until the span ends (``Oracle.repeats``)."""
+        self._kept = {}
+        try:
+            yield
+        finally:
+            self._kept = None
 
     # -- internals --------------------------------------------------------------------------
 
@@ -214,9 +227,21 @@ class Simulator(Oracle):
             return len(prefix)
         return 0
 
-    def _forward(self, prompts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+    def _forward(self, prompts: Sequence[str], keep: bool = False) -> tuple[np.ndarray, list[int]]:
         """Next-token logits z of one batch (float64, rounded per ``logits``) and each prompt's token count
-        (the §5 charge), from one tokenization per prompt."""
+        (the §5 charge); with ``keep`` inside ``repeats`` a batch seen before is answered from its kept logits."""
+        key = tuple(prompts)
+        if keep and self._kept is not None and key in self._kept:
+            z, ells = self._kept[key]
+        else:
+            z, ells = self._logit_tensor(prompts)
+            if keep and self._kept is not None:
+                self._kept[key] = (z, ells)
+        return z.float().numpy().astype(np.float64), ells
+
+    def _logit_tensor(self, prompts: Sequence[str]) -> tuple:
+        """``_forward``'s logits as a CPU tensor (bf16 when rounded, else the model's output dtype), from one
+        tokenization per prompt."""
         import torch
         from transformers import DynamicCache
 
@@ -246,7 +271,7 @@ class Simulator(Oracle):
             z = self.lm.model.get_output_embeddings()(last)
         if self.logit_precision == "bfloat16":
             z = z.to(torch.bfloat16)
-        return z.float().cpu().numpy().astype(np.float64), [len(s) for s in ids]
+        return z.cpu(), [len(s) for s in ids]
 
     # -- logit-bias switch (simulator only) ------------------------------------------------
 

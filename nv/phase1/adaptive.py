@@ -16,7 +16,8 @@ saturated with its lower bound and the cost of the next round.
 Each finished round is a sampling folder (``nv.phase1.sampling.collect``) under the checkpoint root, keyed by
 the round's seed and size: a rerun after a stop redoes no finished round (the estimates that chose each next
 size are recomputed, so the same rounds follow), and on an endpoint the journal answers every request already
-paid for.
+paid for. The rounds run inside ``oracle.repeats()``: the simulator keeps the prompts' logits, so only the first
+round runs forward passes.
 """
 
 from __future__ import annotations
@@ -164,32 +165,33 @@ def sample_adaptive(
     N, previous = sampling["N0"], 0
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
     rounds, merged = [], None
-    for r in itertools.count():
-        delta = N - previous
-        folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
-        if not _finished(folder, delta, len(prompts)):
-            try:
-                collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
-                        checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
-                        progress=progress)
-            except NVError as exc:
-                if merged is None:
-                    raise
-                next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
-                why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
+    with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)
+        for r in itertools.count():
+            delta = N - previous
+            folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
+            if not _finished(folder, delta, len(prompts)):
+                try:
+                    collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
+                            checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
+                            progress=progress)
+                except NVError as exc:
+                    if merged is None:
+                        raise
+                    next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
+                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
+                    break
+            part = load_samples(folder)
+            merged = part if merged is None else merge(merged, part)
+            del part
+            done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,
+                                  lambda n: common_set(merged.subsample(n, seed)).Y)
+            rounds.append(done)
+            report(done.line())
+            nxt = after(done, stable, N_max, growth)
+            if nxt is None:
+                why = "stable" if stable else "N_max"
                 break
-        part = load_samples(folder)
-        merged = part if merged is None else merge(merged, part)
-        del part
-        done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,
-                              lambda n: common_set(merged.subsample(n, seed)).Y)
-        rounds.append(done)
-        report(done.line())
-        nxt = after(done, stable, N_max, growth)
-        if nxt is None:
-            why = "stable" if stable else "N_max"
-            break
-        previous, N = N, nxt
+            previous, N = N, nxt
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
     return Path(out_dir), rounds, why
 
