@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from nv.oracle import Simulator
+from nv.oracle.defence import format_quantum, round_to_format
 from nv.oracle.simulator import log_softmax
 from nv.params import load_params
 from nv.phase1.exactness import edge_ratio
@@ -45,16 +45,6 @@ from _common import peak_rss, verdict
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bf16_spacing(z: np.ndarray) -> np.ndarray:
-    """The bf16 grid spacing at each value: 2^(e - 7) for |z| in [2^e, 2^(e+1))."""
-    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(z), np.finfo(np.float32).tiny))) - 7)
-
-
-def to_bf16(z: np.ndarray) -> np.ndarray:
-    """z rounded to bfloat16 (round to nearest even), back in float64."""
-    return torch.from_numpy(z.astype(np.float32)).to(torch.bfloat16).double().numpy()
-
-
 def white_box(sim: Simulator, prompts: list[str], tau: float, C_max: int, select: int, batch: int) -> tuple:
     """z, z_b and y of every prompt on the C_max columns chosen from the first ``select`` prompts (streamed in chunks of
     ``batch`` prompts after them: only the chosen columns are kept)."""
@@ -63,7 +53,7 @@ def white_box(sim: Simulator, prompts: list[str], tau: float, C_max: int, select
     edges = [0, *range(select, len(prompts), batch), len(prompts)]  # the first chunk is the ``select`` prompts
     for a, b in zip(edges, edges[1:]):
         z_i = sim.logits(prompts[a:b])
-        zb_i = to_bf16(z_i)
+        zb_i = round_to_format(z_i, "bf16")
         y_i = log_softmax(zb_i / tau)
         if cols is None:
             cols = np.argsort(-np.percentile(y_i, 5, axis=0), kind="stable")[:C_max]
@@ -95,7 +85,7 @@ def main() -> int:
         ap.error(f"every block needs more than d = {d} rows and columns")
     prompts = random_prompts(np.random.default_rng(params["seed"]), args.D, 5)
     cols, z, z_b, y = white_box(sim, prompts, args.tau, max(C for _, C in blocks), args.select, 256)
-    spacing = bf16_spacing(z_b)
+    spacing = format_quantum(z_b, "bf16")
     values, counts = np.unique(spacing, return_counts=True)
     ratio = float(np.sqrt(np.mean((z_b - z) ** 2) / np.mean(spacing**2 / 12)))
     print(f"{args.model}: d = {d}, {args.D} random prompts, the {len(cols)} columns of highest 5th-percentile log-prob (tau = {args.tau})")

@@ -127,6 +127,8 @@ def test_on_the_simulator_the_rounds_share_one_forward_pass_per_batch(lm32, tmp_
         for x, y in ((a.counts, b.counts), (a.logprobs, b.logprobs)):
             assert all(np.array_equal(getattr(x, k), getattr(y, k)) for k in ("data", "indices", "indptr")), r
     assert sim.cost.as_dict() == fresh.cost.as_dict()  # charged as if every round had run its own forward passes
-    with DefendedOracle(sim, Defence(round_decimals=2), 0).repeats():
-        assert sim._kept == {}
-    assert sim._kept is None
+    # behind a defence that truncates sampling (its draws from the simulator's white-box logits): the same sharing
+    passes.clear()
+    sample_adaptive(DefendedOracle(sim, Defence(top_k=50), 0), prompts, sampling, ROBUST, 0, tmp_path / "t", sim.vocab_size,
+                    tmp_path / "ck3", {"m": "smol", "top_k": 50}, progress=False, report=lambda line: None)
+    assert sum(passes) == len(prompts) and sim._kept is None

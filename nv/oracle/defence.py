@@ -94,14 +94,20 @@ class Defence:
 
 # -- pure transformations --------------------------------------------------------------------------
 
-def round_to_format(x: np.ndarray, fmt: str) -> np.ndarray:
-    """``x`` rounded to the float format ``fmt`` (round to nearest even, subnormals included), as float64."""
+def format_quantum(x: np.ndarray, fmt: str) -> np.ndarray:
+    """The spacing of the float format ``fmt``'s grid at each value of ``x`` (subnormals included), as float64."""
     if fmt not in FORMATS:
         raise NVError(f"round_format must be one of {tuple(FORMATS)}, got {fmt!r}")
-    mantissa, emin, largest, saturates = FORMATS[fmt]
+    mantissa, emin, _, _ = FORMATS[fmt]
+    _, e = np.frexp(np.asarray(x, dtype=np.float64))  # |x| in [2^(e-1), 2^e)
+    return np.ldexp(1.0, np.maximum(e - 1, emin) - mantissa)
+
+
+def round_to_format(x: np.ndarray, fmt: str) -> np.ndarray:
+    """``x`` rounded to the float format ``fmt`` (round to nearest even, subnormals included), as float64."""
+    quantum = format_quantum(x, fmt)
+    _, _, largest, saturates = FORMATS[fmt]
     x = np.asarray(x, dtype=np.float64)
-    _, e = np.frexp(x)  # |x| in [2^(e-1), 2^e)
-    quantum = np.ldexp(1.0, np.maximum(e - 1, emin) - mantissa)
     r = np.rint(x / quantum) * quantum
     if saturates:
         return np.clip(r, -largest, largest)

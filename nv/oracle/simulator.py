@@ -13,7 +13,7 @@ near-tied prompts does not follow the last bits of a host's bf16 kernels; the we
 Batches are right-padded and share the chat-template prefix: its KV cache is computed once
 and reused, so each prompt only runs its own ~6 suffix tokens.
 
-Inside ``repeats()`` (the adaptive loop's rounds) each sampled batch's logits are kept (2 bytes per vocabulary entry
+Inside ``repeats()`` (the adaptive loop's rounds) each batch's logits (``sample``, ``logits``) are kept (2 bytes per vocabulary entry
 per prompt in bf16), so a round after the first runs no forward pass: the same batches, the same logits.
 
 ``prompt_cache`` (timed calls only): a serving engine's prompt cache, as llama.cpp's server keeps per slot (and vLLM's
@@ -79,7 +79,7 @@ class Simulator(Oracle):
         self._prefix_kv: dict[object, list] = {}  # per compute dtype
         self.prompt_cache = prompt_cache
         self._cached: tuple[list[int], object] = ([], None)  # the last timed call's ids and KV cache
-        self._kept: dict[tuple[str, ...], tuple] | None = None  # inside repeats(): each sampled batch's logits
+        self._kept: dict[tuple[str, ...], tuple] | None = None  # inside repeats(): each batch's logits
 
     @classmethod
     def from_params(cls, model: dict, lm: LoadedModel | None = None) -> Simulator:
@@ -96,7 +96,7 @@ class Simulator(Oracle):
 
     def logits(self, prompts: Sequence[str]) -> np.ndarray:
         """Next-token logits z (len(prompts) x |V|, float64), rounded per ``logits`` switch."""
-        return np.concatenate([self._forward(b)[0] for b in self._batches(prompts)])
+        return np.concatenate([self._forward(b, keep=True)[0] for b in self._batches(prompts)])
 
     def log_probs(self, prompts: Sequence[str], temperature: float = 1.0) -> np.ndarray:
         """Full log-probability rows y(tau) = log_softmax(z / tau) (white-box only)."""
@@ -156,7 +156,8 @@ class Simulator(Oracle):
 
     @contextmanager
     def repeats(self) -> Iterator[None]:
-        """Keep each sampled batch's logits until the span ends (``Oracle.repeats``)."""
+        """Keep each batch's logits (``sample``, ``logits``; not ``argmax``'s, computed in ``argmax_dtype``) until the span
+        ends (``Oracle.repeats``)."""
         self._kept = {}
         try:
             yield
