@@ -5,11 +5,13 @@ import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from nv.errors import NVError
 from nv.models.loading import load_model, resolve
+from nv.models.packaged import PACKAGED
 from nv.oracle.prompts import PromptFormat
 
 
@@ -49,13 +51,33 @@ def test_corrupt_cache_is_rebuilt(lm32, tmp_path):
     the GGUF: one dequantisation (~3 min on a degraded machine), not two."""
     from nv.models.loading import _gguf_cache_folder, default_cache_dir
 
-    cached = _gguf_cache_folder(*resolve("embedded"), default_cache_dir())
+    source, gguf = resolve("embedded")
+    cached = _gguf_cache_folder("embedded", Path(source) / gguf, default_cache_dir())
     folder = tmp_path / cached.name
     shutil.copytree(cached, folder)
     (folder / "model.safetensors").write_bytes(b"garbage")
     again = load_model("embedded", dtype="float32", cache_dir=tmp_path)
     assert again.arch == lm32.arch
     assert (folder / "model.safetensors").stat().st_size > 10**6
+
+
+def test_cache_is_float32_and_keyed_by_content(lm32, tmp_path):
+    """The embedded GGUF copied elsewhere and loaded first in bf16 shares one cache entry with the packaged file, and
+    a float32 load from it has the float32 weights (lm32's), not bf16-rounded ones; its bf16 load is lm32's, rounded."""
+    import torch
+
+    source, gguf = resolve("embedded")
+    copy = tmp_path / "elsewhere" / gguf
+    copy.parent.mkdir()
+    shutil.copy(Path(source) / gguf, copy)
+    cache = tmp_path / "cache"
+    bf16 = load_model(str(copy), dtype="bfloat16", cache_dir=cache)
+    f32 = load_model("embedded", dtype="float32", cache_dir=cache)
+    assert [p.name for p in cache.iterdir()] == [f"{copy.stem}-{PACKAGED['embedded'].sha256[:16]}"]
+    want = lm32.model.model.layers[0].mlp.down_proj.weight
+    got = f32.model.model.layers[0].mlp.down_proj.weight
+    assert got.dtype == torch.float32 and torch.equal(got, want) and not torch.equal(want, want.bfloat16().float())
+    assert torch.equal(bf16.model.model.layers[0].mlp.down_proj.weight, want.bfloat16())
 
 
 @pytest.mark.parametrize(

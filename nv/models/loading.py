@@ -7,15 +7,17 @@ A model spec is one of:
 - a local folder with a transformers checkpoint;
 - a Hugging Face model id (needs the hub or its local cache; the GPU user's path).
 
-GGUF files are dequantised by transformers (~30 s for the embedded model), so the loaded
-model is cached once as safetensors under the cache folder and reloaded from there in < 1 s.
+GGUF files are dequantised by transformers (~30 s for the embedded model), so the dequantised model is
+cached once as float32 safetensors under the cache folder, keyed by the file's SHA-256, and every load,
+in either dtype, reads that copy (< 1 s): the weights do not depend on where the file lies (a fresh
+venv, a copy) nor on which dtype a machine happened to load first (a bf16 copy read in float32 would
+carry bf16-rounded weights).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import hashlib
 import logging
 import os
 import shutil
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nv.errors import NVError
-from nv.models.packaged import PACKAGED, packaged_gguf
+from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf
 
 EMBEDDED = "embedded"
 DTYPES = ("bfloat16", "float32")
@@ -120,11 +122,10 @@ def torch_device(device: str = "auto") -> str:
     return device
 
 
-def _gguf_cache_folder(source: str, gguf: str, cache_dir: Path) -> Path:
-    path = Path(source) / gguf
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir / f"{path.stem}-{key}"
+def _gguf_cache_folder(spec: str, path: Path, cache_dir: Path) -> Path:
+    """The cache folder of GGUF ``path``: named by the file's SHA-256 (a packaged model's from the table)."""
+    sha = PACKAGED[spec].sha256 if spec in PACKAGED else file_sha256(path)
+    return cache_dir / f"{path.stem}-{sha[:16]}"
 
 
 def _from_pretrained(source: str, gguf: str | None, dtype: str):
@@ -142,8 +143,8 @@ def _from_pretrained(source: str, gguf: str | None, dtype: str):
     return model, tokenizer
 
 
-def _write_cache(model, tokenizer, folder: Path) -> None:
-    """Save a dequantised GGUF model as safetensors, atomically (tmp folder + rename)."""
+def _write_cache(model, tokenizer, folder: Path) -> bool:
+    """Save a dequantised GGUF model as safetensors, atomically (tmp folder + rename); False if it could not."""
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
@@ -153,32 +154,41 @@ def _write_cache(model, tokenizer, folder: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(folder)
+        return True
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         log.warning("could not cache the dequantised model in %s: %s", folder, exc)
+        return False
+
+
+def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
+    """(model, tokenizer) of a GGUF file in ``dtype``, read from its float32 cache entry, built on first use; an
+    unreadable entry is rebuilt with a warning. Where no entry can be written, the file is loaded directly."""
+    folder = _gguf_cache_folder(spec, Path(source) / gguf, cache_dir)
+    if folder.is_dir():
+        try:
+            return _from_pretrained(str(folder), None, dtype)
+        except Exception as exc:  # any unreadable cache entry is rebuilt from the source
+            log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
+            shutil.rmtree(folder, ignore_errors=True)
+    model, tokenizer = _from_pretrained(source, gguf, "float32")
+    if not _write_cache(model, tokenizer, folder):
+        return (model, tokenizer) if dtype == "float32" else _from_pretrained(source, gguf, dtype)
+    del model
+    return _from_pretrained(str(folder), None, dtype)
 
 
 def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | None = None, device: str = "auto") -> LoadedModel:
     """Load ``spec`` for inference in ``dtype`` (compute precision) on ``device`` (see ``torch_device``), eval mode.
 
-    GGUF sources go through a safetensors cache; a corrupt cache entry is rebuilt with a warning.
+    GGUF sources go through a float32 safetensors cache (``_load_gguf``).
     """
     if dtype not in DTYPES:
         raise NVError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     target_device = torch_device(device)
     source, gguf = resolve(spec)
     if gguf:
-        folder = _gguf_cache_folder(source, gguf, cache_dir or default_cache_dir())
-        model = None
-        if folder.is_dir():
-            try:
-                model, tokenizer = _from_pretrained(str(folder), None, dtype)
-            except Exception as exc:  # any unreadable cache entry is rebuilt from the source
-                log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
-                shutil.rmtree(folder, ignore_errors=True)
-        if model is None:
-            model, tokenizer = _from_pretrained(source, gguf, dtype)
-            _write_cache(model, tokenizer, folder)
+        model, tokenizer = _load_gguf(spec, source, gguf, dtype, cache_dir or default_cache_dir())
     else:
         model, tokenizer = _from_pretrained(source, None, dtype)
     model.eval().to(target_device)

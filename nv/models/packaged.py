@@ -103,6 +103,11 @@ def _sha256(paths: list[Path], out: Path | None = None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+def file_sha256(path: Path) -> str:
+    """SHA-256 of one file (hex)."""
+    return _sha256([path])[0]
+
+
 def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: dict[str, Packaged] = PACKAGED) -> Path:
     """Path of packaged model ``name``'s verified GGUF file, assembling it into ``cache_dir/packaged`` once."""
     entry = table[name]
