@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 
@@ -14,9 +15,9 @@ class NVError(Exception):
 
 
 def run_main(work: Callable[[], object]) -> int:
-    """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2,
-    Ctrl-C exit status 130 (finished work is checkpointed, so the same command resumes); otherwise the
-    status ``work`` returns when it is an int, else 0."""
+    """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as does a
+    full disk (ENOSPC, EDQUOT: the file it failed to write); Ctrl-C exit status 130 (finished work is checkpointed,
+    so the same command resumes); otherwise the status ``work`` returns when it is an int, else 0."""
     try:
         status = work()
         return status if isinstance(status, int) else 0
@@ -26,3 +27,10 @@ def run_main(work: Callable[[], object]) -> int:
     except KeyboardInterrupt:
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"error: no space left on the device{where}: free some and rerun the same command to resume "
+              "(finished work is checkpointed)", file=sys.stderr)
+        return 2

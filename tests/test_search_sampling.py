@@ -101,6 +101,40 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
         load_samples(tmp_path / "nothing")
 
 
+def test_a_full_disk_is_a_one_line_error_and_the_rerun_resumes(lm32, tmp_path, capsys):
+    """Sampling onto a real full disk (a 300 kB tmpfs: two or three of five 5-prompt shards fit) stops with one
+    line naming the shard, keeps the finished shards and no torn file; with space freed, the same call resumes and
+    equals a run on an ample disk. Mounting needs root: skipped elsewhere."""
+    import subprocess
+
+    from nv.errors import run_main
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    try:
+        prompts = [f"{a}{b}xyz" for a in "ab" for b in "cdefghijklmnopq"][:25]
+        kw = dict(N=3000, temperature=2.0, seed=5, vocab_size=49152, identity={}, chunk=5, progress=False)
+        sims = [Simulator(lm32, batch_size=64) for _ in range(2)]
+        runs = [lambda sim=sim: collect(sim, prompts, out_dir=disk / "out", checkpoint_root=disk / "ck", **kw) for sim in sims]
+        assert run_main(runs[0]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: no space left on the device writing ") and "shard-" in err and "\n" not in err
+        (work,) = (disk / "ck").glob("sampling-*")
+        kept = {f.name: f.read_bytes() for f in work.glob("shard-*.npz")}
+        assert 1 <= len(kept) < 5 and not list(work.glob("*.tmp.npz")), sorted(f.name for f in work.iterdir())
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        assert run_main(runs[1]) == 0
+        assert sims[1].cost.calls == (25 - 5 * len(kept)) * 3000  # only the unfinished shards
+        assert all((disk / "out" / name).read_bytes() == data for name, data in kept.items())
+        ref = collect(Simulator(lm32, batch_size=64), prompts, out_dir=tmp_path / "ref", checkpoint_root=tmp_path / "c2", **kw)
+        a, b = load_samples(disk / "out"), load_samples(ref)
+        assert (a.counts != b.counts).nnz == 0 and np.array_equal(a.logprobs.data, b.logprobs.data)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     sim = Simulator(lm32)
     kw = dict(N=20000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=10, progress=False)

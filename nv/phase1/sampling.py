@@ -93,18 +93,25 @@ def _key(meta: dict) -> str:
 
 
 def _save_shard(path: Path, samples, vocab_size: int) -> None:
+    """Write one shard of ``samples`` atomically: a temporary file, then a rename."""
     indptr = np.zeros(len(samples) + 1, dtype=np.int64)
     indptr[1:] = np.cumsum([len(s.token_ids) for s in samples])
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        indptr=indptr,
-        indices=np.concatenate([s.token_ids for s in samples]).astype(np.int32),
-        logprobs=np.concatenate([s.logprobs for s in samples]).astype(np.float32),
-        counts=np.concatenate([s.counts for s in samples]).astype(np.int32),
-        prompt_tokens=np.array([s.prompt_tokens for s in samples], dtype=np.int32),
-        vocab_size=vocab_size,
-    )
+    try:
+        np.savez(
+            tmp,
+            indptr=indptr,
+            indices=np.concatenate([s.token_ids for s in samples]).astype(np.int32),
+            logprobs=np.concatenate([s.logprobs for s in samples]).astype(np.float32),
+            counts=np.concatenate([s.counts for s in samples]).astype(np.int32),
+            prompt_tokens=np.array([s.prompt_tokens for s in samples], dtype=np.int32),
+            vocab_size=vocab_size,
+        )
+    except BaseException as exc:  # a torn file (a full disk, Ctrl-C) is not left to hold the space
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not exc.filename:  # zipfile's close names no file
+            exc.filename = str(path)
+        raise
     os.replace(tmp, path)
 
 
