@@ -15,7 +15,7 @@ from nv.oracle import Simulator
 from nv.oracle.defence import Defence, DefendedOracle
 from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, schedule, stopped
 from nv.phase1.pipeline import common_set
-from nv.phase1.sampling import collect, load_samples
+from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_samples
 from nv.phase1.spectrum import estimate
 from synthetic import LowRankOracle
 
@@ -46,7 +46,7 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
     for r, n in enumerate((300, 700)):
         collect(oracle, PROMPTS[:10], n, 2.0, round_seed(0, r), tmp_path / f"r{r}", 300, tmp_path / "ck", {"m": "toy"}, 5, False)
         parts.append(load_samples(tmp_path / f"r{r}"))
-    merged = merge(*parts)
+    merged = merge(parts[0], tmp_path / "r1")
     assert merged.N == 1000 and np.array_equal(np.asarray(merged.counts.sum(axis=1)).ravel(), np.full(10, 1000))
     # a token seen in both rounds keeps its (exact) log-prob; the union of the columns is kept
     for q in range(10):
@@ -54,18 +54,20 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
         assert set(merged.counts[q].indices) == cols
     both = parts[0].logprobs.multiply(parts[1].counts > 0)
     np.testing.assert_array_equal(merged.logprobs.multiply(both != 0).data, both.data)
-    # merged 3 rows at a time (blocks, as on a large sample): the same matrix, bit for bit
-    blocked = merge(*parts, block=3)
+    # the round read in shards of 3 rows (not the 5 of the first's): the same matrix, bit for bit
+    blocked = merge(parts[0], save_samples(parts[1], tmp_path / "r1-by-3", chunk=3))
     for a, b in ((blocked.counts, merged.counts), (blocked.logprobs, merged.logprobs)):
         assert a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("data", "indices", "indptr"))
     # a noisy oracle's values: each entry is the count-weighted mean of the rounds' values
     parts[1].logprobs.data += np.linspace(0.0, 1.0, parts[1].logprobs.nnz, dtype=np.float32)
-    noisy = merge(*parts, block=4)
+    noisy = merge(parts[0], save_samples(parts[1], tmp_path / "noisy", chunk=4))
     (la, ca), (lb, cb) = ((P.logprobs.toarray().astype(np.float64), P.counts.toarray()) for P in parts)
     seen = (ca + cb) > 0
     mean = (la * ca + lb * cb)[seen] / (ca + cb)[seen]
     np.testing.assert_array_equal(noisy.counts.toarray()[seen], (ca + cb)[seen])
     np.testing.assert_allclose(noisy.logprobs.toarray()[seen], mean, rtol=1e-6)
+    with pytest.raises(NVError, match="cannot merge"):
+        merge(SampledMatrix(parts[0].logprobs[:9], parts[0].counts[:9], parts[0].prompt_tokens[:9], 300, 2.0), tmp_path / "r1")
     assert round_seed(0, 0) != round_seed(0, 1) and round_seed(0, 1) == round_seed(0, 1)
 
 
@@ -85,10 +87,10 @@ def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
     S = load_samples(out)
     assert S.N == rounds[-1].N and S.D == len(PROMPTS) and S.tokens() == rounds[-1].tokens
     # recomputed independently from the round folders: every earlier round fails the rule, the last one meets it
-    parts = [load_samples(f) for f in sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))]
+    folders = sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))
     merged = None
     for r in range(len(rounds)):
-        merged = parts[r] if merged is None else merge(merged, parts[r])
+        merged = load_samples(folders[r]) if merged is None else merge(merged, folders[r])
         est = estimate(common_set(merged).Y, "robust", **ROBUST)
         check = estimate(common_set(merged.subsample(int(merged.N / math.sqrt(2)), 0)).Y, "robust", **ROBUST)
         assert stopped(est, check) == (r == len(rounds) - 1), r

@@ -34,7 +34,7 @@ import scipy.sparse as sp
 from nv.errors import NVError
 from nv.oracle.base import Oracle
 from nv.phase1.pipeline import common_set, estimate_on
-from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_samples
+from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate
 
 
@@ -64,21 +64,22 @@ def round_seed(seed: int, r: int) -> int:
     return int(np.random.SeedSequence([seed, r]).generate_state(1)[0])
 
 
-def merge(a: SampledMatrix, b: SampledMatrix, block: int = 100) -> SampledMatrix:
-    """Y_hat of the union of two samples of the same prompts: counts add; a token's log-prob is the count-weighted
-    mean of their values (equal on an exact oracle; an average against a noisy one). Merging round by round keeps
-    one merged matrix and one round in memory, never every round at once; ``block`` rows at a time are merged into
-    arrays sized for every entry of both and shrunk in place (``SampledMatrix.subsample``'s way), so the merge holds
-    the two samples and their union, 12 bytes per entry each, and no float64 or int64 copy of either."""
-    if a.counts.shape != b.counts.shape:
-        raise NVError(f"adaptive sampling: rounds of shapes {a.counts.shape} and {b.counts.shape} cannot merge")
-    size = a.counts.nnz + b.counts.nnz  # the union has at most this many entries; untouched pages stay unallocated
+def merge(a: SampledMatrix, folder: Path) -> SampledMatrix:
+    """Y_hat of the union of sample ``a`` and the sample in ``folder`` (a round's, of the same prompts): counts add; a
+    token's log-prob is the count-weighted mean of their values (equal on an exact oracle; an average against a noisy
+    one). The folder is read shard by shard (``iter_shards``) into arrays sized for every entry of both and shrunk in
+    place (``SampledMatrix.subsample``'s way): the merge holds ``a``, the union (12 bytes per entry each) and one shard
+    of the round, never the whole round or a float64 or int64 copy of either."""
+    meta, nnz, shards = iter_shards(folder)
+    if a.counts.shape != (meta["D"], meta["vocab_size"]):
+        raise NVError(f"adaptive sampling: rounds of shapes {a.counts.shape} and {(meta['D'], meta['vocab_size'])} cannot merge")
+    size = a.counts.nnz + nnz  # the union has at most this many entries; untouched pages stay unallocated
     indices, counts, logprobs = np.empty(size, np.int32), np.empty(size, np.int32), np.empty(size, np.float32)
     indptr = np.zeros(a.D + 1, dtype=np.int64)
-    for s in range(0, a.D, block):
-        rows = slice(s, min(a.D, s + block))
-        c = (a.counts[rows].astype(np.int64) + b.counts[rows]).tocsr()
-        w = (a.logprobs[rows].astype(np.float64).multiply(a.counts[rows]) + b.logprobs[rows].multiply(b.counts[rows])).tocsr()
+    for s, b_counts, b_logprobs in shards:
+        rows = slice(s, s + b_counts.shape[0])
+        c = (a.counts[rows].astype(np.int64) + b_counts).tocsr()
+        w = (a.logprobs[rows].astype(np.float64).multiply(a.counts[rows]) + b_logprobs.multiply(b_counts)).tocsr()
         c.sort_indices()
         w.sort_indices()
         if not (np.array_equal(c.indptr, w.indptr) and np.array_equal(c.indices, w.indices)):
@@ -90,7 +91,7 @@ def merge(a: SampledMatrix, b: SampledMatrix, block: int = 100) -> SampledMatrix
         x.resize(indptr[-1], refcheck=False)
     shape = a.counts.shape
     return SampledMatrix(sp.csr_matrix((logprobs, indices, indptr), shape=shape), sp.csr_matrix((counts, indices, indptr), shape=shape),
-                         a.prompt_tokens, a.N + b.N, a.temperature)
+                         a.prompt_tokens, a.N + meta["N"], a.temperature)
 
 
 @dataclass
@@ -180,9 +181,7 @@ def sample_adaptive(
                     next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
                     why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
                     break
-            part = load_samples(folder)
-            merged = part if merged is None else merge(merged, part)
-            del part
+            merged = load_samples(folder) if merged is None else merge(merged, folder)
             done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,
                                   lambda n: common_set(merged.subsample(n, seed)).Y)
             rounds.append(done)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +235,29 @@ def observed_mask(folder: str | Path) -> sp.csr_matrix:
     the indices alone: 5 bytes per observed entry against the 12 of ``load_samples`` (greedy pruning needs no more)."""
     meta, a = _read_shards(folder, ("indices",), None)
     return sp.csr_matrix((np.ones(a["indices"].size, dtype=bool), a["indices"], a["indptr"]), shape=(meta["D"], meta["vocab_size"]))
+
+
+def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]]:
+    """Y_hat of ``folder`` one shard at a time, for work that needs a few of its rows in memory at once: the manifest,
+    the number of entries in all, and an iterator of (first row, counts, log-probs) of each shard's rows (CSR)."""
+    meta, paths = _shard_paths(Path(folder))
+    nnz = 0
+    for path in paths:
+        with np.load(path) as z:
+            nnz += int(z["indptr"][-1])
+
+    def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]:
+        row = 0
+        for path in paths:
+            with np.load(path) as z:
+                indices, indptr = z["indices"], z["indptr"]
+                shape = (len(indptr) - 1, meta["vocab_size"])
+                counts = sp.csr_matrix((z["counts"], indices, indptr), shape=shape)
+                logprobs = sp.csr_matrix((z["logprobs"], indices, indptr), shape=shape)
+            yield row, counts, logprobs
+            row += shape[0]
+
+    return meta, nnz, shards()
 
 
 def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
