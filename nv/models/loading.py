@@ -123,7 +123,8 @@ def torch_device(device: str = "auto") -> str:
 
 
 def _gguf_cache_folder(spec: str, path: Path, cache_dir: Path) -> Path:
-    """The cache folder of GGUF ``path``: named by the file's SHA-256 (a packaged model's from the table)."""
+    """The cache folder of GGUF ``path``: named by the file's SHA-256 (a packaged model's from the table; a file given
+    by path is hashed at each load, ~2 s per GB here)."""
     sha = PACKAGED[spec].sha256 if spec in PACKAGED else file_sha256(path)
     return cache_dir / f"{path.stem}-{sha[:16]}"
 
