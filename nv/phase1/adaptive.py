@@ -196,9 +196,10 @@ def sample_adaptive(
 
 
 def _finished(folder: Path, N: int, D: int) -> bool:
-    """A round already sampled (a rerun after a stop): its folder loads, with this round's N and D."""
+    """A round already sampled (a rerun after a stop): its manifest has this round's N and D and every shard is intact
+    (``iter_shards``'s checks; the round itself is read once, by ``merge``)."""
     try:
-        S = load_samples(folder)
+        meta, _, _ = iter_shards(folder)
     except NVError:
         return False
-    return S.N == N and S.D == D
+    return meta["N"] == N and meta["D"] == D
