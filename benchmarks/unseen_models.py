@@ -1,0 +1,92 @@
+"""Phase 1 on model files it was not developed on (issue 13: "any model file outside this list must work the same
+way"): random-weight LLaMA-style shapes (``nv.models.reference_family``, the embedded model's tokenizer) written as
+GGUF files, each attacked by the user's own command, ``nv attack --simulate FILE.gguf``, with the default
+params.yaml; then the budget planner's N for |C| >= d from a pilot inside each run's sample (``nv.phase1.planner``,
+params' ``planner``), against the run's own stop. Prints per shape the stop, the common set, both estimators, the
+tokens, the planner's ratio, wall time and the command's peak RSS; exits 1 when the robust estimator is wrong (a
+lower bound at most d is not wrong). The planner's factor 2 is reported MET or MISSED, not failed.
+
+Run: python benchmarks/unseen_models.py [--shape D,L,N_KV,D_FFN ...] [--work DIR] (not in ``make bench``: ~3-7 min
+and ~5.5 GB a shape here). A shape's GGUF and run folder are kept under --work: a rerun resumes the attack's rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nv.models.loading import LoadedModel, embedded_gguf, load_model
+from nv.models.reference_family import Shape, random_llama, write_gguf
+from nv.params import load_params
+from nv.phase1.planner import fit, pilot_of
+from nv.phase1.sampling import load_samples
+from nv.phase1.sweep import d_interval
+
+from _common import GIB, verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = ["384,12,2,1024", "512,16,2,1408", "640,20,2,1728"]  # the timing family's llama.cpp references' shapes
+
+
+def model_file(spec: str, seed: int, work: Path, embedded: LoadedModel) -> tuple[Path, Shape]:
+    """The GGUF of one random-weight shape ``d,L,n_kv,d_ffn`` (heads of 64, ``embedded``'s tokenizer and vocabulary),
+    written once under ``work``."""
+    d, L, n_kv, d_ffn = (int(x) for x in spec.split(","))
+    path = work / f"random-{d}x{L}-kv{n_kv}-ffn{d_ffn}-seed{seed}.gguf"
+    shape = Shape(d, L, d // 64, n_kv, d_ffn, embedded.arch.vocab_size, embedded.arch.max_positions)
+    if not path.is_file():
+        write_gguf(random_llama(shape, embedded.tokenizer, "float32", seed, path.stem), embedded_gguf(), path)
+    return path, shape
+
+
+def attack(path: Path, out: Path) -> tuple[dict, float, float]:
+    """``nv attack --simulate path`` as a user runs it: its report, wall seconds and peak RSS (GiB, from wait4)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen([str(Path(sys.executable).parent / "nv"), "attack", "--simulate", str(path), "--out", str(out), "--quiet"],
+                             cwd=ROOT)  # the default params.yaml
+    _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"nv attack on {path.name} failed with exit {os.waitstatus_to_exitcode(status)}")
+    return json.loads((out / "report.json").read_text()), time.perf_counter() - t0, usage.ru_maxrss * 1024 / GIB
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", help="d,L,n_kv_heads,d_ffn (repeatable; default: the three of SHAPES)")
+    ap.add_argument("--work", default="/tmp/nv-unseen")
+    args = ap.parse_args()
+    params = load_params(ROOT / "params.yaml", ["planner"])
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    wrong = []
+    embedded = load_model(dtype="float32")  # the tokenizer and vocabulary of the random shapes
+    print(f"{'shape':<22} {'stop N':>9} {'common set':>13} {'robust':>12} {'paper':>6} {'tokens':>8} "
+          f"{'planner N (stop/it)':>21} {'wall':>7} {'RSS':>8}", flush=True)
+    for spec in args.shape or SHAPES:
+        path, shape = model_file(spec, params["seed"], work, embedded)
+        report, wall, rss = attack(path, work / path.stem)
+        d = shape.d
+        lo, hi = d_interval(report["d_hat_raw"], report["lower_bound"])
+        if not lo <= d <= hi:
+            said = report["d_hat_raw"] if report["saturated"] else f"d >= {report['lower_bound']}"
+            wrong.append(f"{path.name}: robust says {said} for d = {d}")
+        S = load_samples(work / path.stem / "samples")
+        planner = params["planner"]
+        N_for_d = fit(pilot_of(S, planner["pilot_prompts"], planner["pilot_N"], params["seed"]), planner["min_seen"]).samples_for(d, S.D)
+        ratio = None if N_for_d is None else report["N"] / N_for_d
+        plan = "none" if ratio is None else f"{N_for_d:.2g} ({ratio:.2f}x {'MET' if 0.5 <= ratio <= 2 else 'MISSED'})"
+        robust = str(report["d_hat_raw"]) if report["saturated"] else f"d >= {report['lower_bound']}"
+        print(f"{path.stem[7:]:<22} {report['N']:>9,} {report['D_prime']:>6,} x {report['common_set_size']:<6,} "
+              f"{robust + f' ({d})':>12} {report['d_hat_paper_raw'] or '-':>6} {report['tokens']:>8.2g} {plan:>21} "
+              f"{wall / 60:>5.1f} m {rss:>6.2f} G", flush=True)
+        del S
+    return verdict(wrong)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
