@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from nv.errors import NVError, run_main
 from nv.models.loading import LoadedModel, embedded_gguf, load_model
-from nv.models.reference_family import Shape, random_llama, write_gguf
+from nv.models.reference_family import Shape, random_llama, shape_from_entry, write_gguf
 from nv.params import load_params
 from nv.phase1.planner import fit, pilot_of
 from nv.phase1.sampling import load_samples
@@ -33,12 +34,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ["384,12,2,1024", "512,16,2,1408", "640,20,2,1728"]  # the timing family's llama.cpp references' shapes
 
 
-def model_file(spec: str, seed: int, work: Path, embedded: LoadedModel) -> tuple[Path, Shape]:
-    """The GGUF of one random-weight shape ``d,L,n_kv,d_ffn`` (heads of 64, ``embedded``'s tokenizer and vocabulary),
-    written once under ``work``."""
-    d, L, n_kv, d_ffn = (int(x) for x in spec.split(","))
-    path = work / f"random-{d}x{L}-kv{n_kv}-ffn{d_ffn}-seed{seed}.gguf"
-    shape = Shape(d, L, d // 64, n_kv, d_ffn, embedded.arch.vocab_size, embedded.arch.max_positions)
+def shape_entry(spec: str) -> dict:
+    """``d,L,n_kv_heads,d_ffn`` as a family entry (``nv.models.reference_family.shape_from_entry``)."""
+    try:
+        return dict(zip(("d", "L", "n_kv_heads", "d_ffn"), (int(x) for x in spec.split(",")), strict=True))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is four integers d,L,n_kv_heads,d_ffn, got {spec!r}") from None
+
+
+def model_file(entry: dict, seed: int, work: Path, embedded: LoadedModel) -> tuple[Path, Shape]:
+    """The GGUF of one random-weight shape (heads of 64, ``embedded``'s tokenizer and vocabulary), written once under
+    ``work``."""
+    shape = shape_from_entry(entry, embedded.arch.vocab_size, embedded.arch.max_positions)
+    path = work / f"random-{shape.d}x{shape.L}-kv{shape.n_kv_heads}-ffn{shape.d_ffn}-seed{seed}.gguf"
     if not path.is_file():
         write_gguf(random_llama(shape, embedded.tokenizer, "float32", seed, path.stem), embedded_gguf(), path)
     return path, shape
@@ -51,13 +59,13 @@ def attack(path: Path, out: Path) -> tuple[dict, float, float]:
                              cwd=ROOT)  # the default params.yaml
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"nv attack on {path.name} failed with exit {os.waitstatus_to_exitcode(status)}")
+        raise NVError(f"nv attack on {path.name} failed with exit {os.waitstatus_to_exitcode(status)} (its message above)")
     return json.loads((out / "report.json").read_text()), time.perf_counter() - t0, usage.ru_maxrss * 1024 / GIB
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", action="append", help="d,L,n_kv_heads,d_ffn (repeatable; default: the three of SHAPES)")
+    ap.add_argument("--shape", action="append", type=shape_entry, help="d,L,n_kv_heads,d_ffn (repeatable; default: the three of SHAPES)")
     ap.add_argument("--work", default="/tmp/nv-unseen")
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["planner"])
@@ -67,8 +75,8 @@ def main() -> int:
     embedded = load_model(dtype="float32")  # the tokenizer and vocabulary of the random shapes
     print(f"{'shape':<22} {'stop N':>9} {'common set':>13} {'robust':>12} {'paper':>6} {'tokens':>8} "
           f"{'planner N (stop/it)':>21} {'wall':>7} {'RSS':>8}", flush=True)
-    for spec in args.shape or SHAPES:
-        path, shape = model_file(spec, params["seed"], work, embedded)
+    for entry in args.shape or [shape_entry(s) for s in SHAPES]:
+        path, shape = model_file(entry, params["seed"], work, embedded)
         report, wall, rss = attack(path, work / path.stem)
         d = shape.d
         lo, hi = d_interval(report["d_hat_raw"], report["lower_bound"])
@@ -78,8 +86,8 @@ def main() -> int:
         S = load_samples(work / path.stem / "samples")
         planner = params["planner"]
         N_for_d = fit(pilot_of(S, planner["pilot_prompts"], planner["pilot_N"], params["seed"]), planner["min_seen"]).samples_for(d, S.D)
-        ratio = None if N_for_d is None else report["N"] / N_for_d
-        plan = "none" if ratio is None else f"{N_for_d:.2g} ({ratio:.2f}x {'MET' if 0.5 <= ratio <= 2 else 'MISSED'})"
+        ratio = report["N"] / N_for_d if N_for_d and report["adaptive_stop"] == "stable" else None  # a stop, not a cap
+        plan = "-" if ratio is None else f"{N_for_d:.2g} ({ratio:.2f}x {'MET' if 0.5 <= ratio <= 2 else 'MISSED'})"
         robust = str(report["d_hat_raw"]) if report["saturated"] else f"d >= {report['lower_bound']}"
         print(f"{path.stem[7:]:<22} {report['N']:>9,} {report['D_prime']:>6,} x {report['common_set_size']:<6,} "
               f"{robust + f' ({d})':>12} {report['d_hat_paper_raw'] or '-':>6} {report['tokens']:>8.2g} {plan:>21} "
@@ -89,4 +97,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
