@@ -382,6 +382,19 @@ def _error(capsys, argv: list[str]) -> str:
     return err
 
 
+def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
+    """A GGUF cut short (5 MB of the embedded model's file): the server's own process and the parent that starts it
+    each say so in one line."""
+    from nv.models.loading import embedded_gguf
+
+    cut = tmp_path / "cut.gguf"
+    with embedded_gguf().open("rb") as f:
+        cut.write_bytes(f.read(5 << 20))
+    with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp cannot serve .*cut.gguf") as err:
+        LlamaServer(cut, n_ctx=256).start()
+    assert "\n" not in str(err.value)
+
+
 def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys):
     params = write_params(root, tmp_path)
     name = server.model_name

@@ -93,6 +93,25 @@ def test_unknown_model_is_a_one_line_error(spec, message):
     assert "\n" not in str(err.value)
 
 
+def test_truncated_or_foreign_gguf_and_a_bare_folder_are_one_line_errors(tmp_path):
+    """A model file the user names is checked before transformers reads it: a GGUF cut short (a download stopped at
+    5 MB of the embedded model's file) and a file that is not a GGUF each give one line, and no cache entry is left."""
+    from nv.models.loading import embedded_gguf
+
+    with embedded_gguf().open("rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(5 << 20))
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    cache = tmp_path / "cache"
+    for name in ("cut.gguf", "text.gguf"):
+        with pytest.raises(NVError, match=f"{name} is not a readable GGUF file \\(.+\\): a truncated or corrupt") as err:
+            load_model(str(tmp_path / name), dtype="float32", cache_dir=cache)
+        assert "\n" not in str(err.value)
+    assert not cache.exists()  # nothing was dequantised or cached
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(NVError, match="has no config.json"):
+        resolve(str(tmp_path / "folder"))
+
+
 def test_bad_dtype_is_refused():
     with pytest.raises(NVError, match="dtype must be one of"):
         load_model("embedded", dtype="float16")

@@ -146,7 +146,10 @@ def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int |
                 "logits_all": logprobs, "verbose": False}
     if n_threads:
         settings.update(n_threads=n_threads, n_threads_batch=n_threads)
-    app = create_app(server_settings=ServerSettings(host=HOST, port=port), model_settings=[ModelSettings(**settings)])
+    try:
+        app = create_app(server_settings=ServerSettings(host=HOST, port=port), model_settings=[ModelSettings(**settings)])
+    except ValueError as exc:  # llama.cpp's "Failed to load model from file"
+        raise NVError(f"llama.cpp cannot serve {path}: {exc} (a truncated or corrupt GGUF? fetch it again)") from None
     uvicorn.run(app, host=HOST, port=port, log_level="warning")
 
 

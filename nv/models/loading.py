@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nv.errors import NVError
-from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf
+from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf, read_gguf
 
 EMBEDDED = "embedded"
 DTYPES = ("bfloat16", "float32")
@@ -84,6 +84,9 @@ def resolve(spec: str) -> tuple[str, str | None]:
             raise NVError(f"GGUF file not found: {spec}")
         return str(path.parent.resolve()), path.name
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise NVError(f"model folder {spec} has no config.json: give a transformers model folder (config.json, "
+                          "weights, tokenizer) or a .gguf file")
         return str(path.resolve()), None
     if path.exists():
         raise NVError(f"model path is neither a folder nor a .gguf file: {spec}")
@@ -172,6 +175,7 @@ def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
         except Exception as exc:  # any unreadable cache entry is rebuilt from the source
             log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)
+    read_gguf(Path(source) / gguf)  # a truncated or corrupt file: one line, not transformers' traceback
     model, tokenizer = _from_pretrained(source, gguf, "float32")
     if not _write_cache(model, tokenizer, folder):
         return (model, tokenizer) if dtype == "float32" else _from_pretrained(source, gguf, dtype)

@@ -144,11 +144,21 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
     return out
 
 
-def gguf_facts(path: Path) -> dict:
-    """The architecture facts of ``Packaged.facts`` read from a GGUF header (and its tensor list for tying)."""
+def read_gguf(path: Path):
+    """``path``'s ``gguf.GGUFReader``, which maps every tensor onto the file: a file that is not a whole GGUF (no magic,
+    a tensor past its end, a garbled header: a truncated or corrupt copy) is a one-line NVError."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, OverflowError, KeyError) as exc:  # what the reader raises on such a file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise NVError(f"{path} is not a readable GGUF file ({reason}): a truncated or corrupt copy? fetch it again") from None
+
+
+def gguf_facts(path: Path) -> dict:
+    """The architecture facts of ``Packaged.facts`` read from a GGUF header (and its tensor list for tying)."""
+    reader = read_gguf(path)
 
     def value(key: str):
         f = reader.fields[key]
