@@ -6,8 +6,10 @@ params' ``planner``), against the run's own stop. Prints per shape the stop, the
 tokens, the planner's ratio, wall time and the command's peak RSS; exits 1 when the robust estimator is wrong (a
 lower bound at most d is not wrong). The planner's factor 2 is reported MET or MISSED, not failed.
 
-Run: python benchmarks/unseen_models.py [--shape D,L,N_KV,D_FFN ...] [--work DIR] (not in ``make bench``: ~3-7 min
-and ~5.5 GB a shape here). A shape's GGUF and run folder are kept under --work: a rerun resumes the attack's rounds.
+Run: python benchmarks/unseen_models.py [--shape D,L,N_KV,D_FFN ...] [--seed S] [--work DIR] (not in ``make bench``:
+~3-7 min and ~5.5 GB a shape here). The weights are drawn with --seed (default 1): the timing stages draw their
+reference family with params.yaml's seed (0), so the default files hold weights no stage has seen. A shape's GGUF and
+run folder are kept under --work: a rerun resumes the attack's rounds.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from nv.phase1.sweep import d_interval
 from _common import GIB, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = ["384,12,2,1024", "512,16,2,1408", "640,20,2,1728"]  # the timing family's llama.cpp references' shapes
+SHAPES = ["384,12,2,1024", "512,16,2,1408", "640,20,2,1728"]  # the shapes of params.yaml's llama.cpp references
 
 
 def shape_entry(spec: str) -> dict:
@@ -42,30 +44,30 @@ def shape_entry(spec: str) -> dict:
         raise argparse.ArgumentTypeError(f"a shape is four integers d,L,n_kv_heads,d_ffn, got {spec!r}") from None
 
 
-def model_file(entry: dict, seed: int, work: Path, embedded: LoadedModel) -> tuple[Path, Shape]:
-    """The GGUF of one random-weight shape (heads of 64, ``embedded``'s tokenizer and vocabulary), written once under
-    ``work``."""
-    shape = shape_from_entry(entry, embedded.arch.vocab_size, embedded.arch.max_positions)
+def model_file(shape: Shape, seed: int, work: Path, embedded: LoadedModel) -> Path:
+    """The GGUF of one random-weight shape (``embedded``'s tokenizer), written once under ``work``."""
     path = work / f"random-{shape.d}x{shape.L}-kv{shape.n_kv_heads}-ffn{shape.d_ffn}-seed{seed}.gguf"
     if not path.is_file():
         write_gguf(random_llama(shape, embedded.tokenizer, "float32", seed, path.stem), embedded_gguf(), path)
-    return path, shape
+    return path
 
 
 def attack(path: Path, out: Path) -> tuple[dict, float, float]:
     """``nv attack --simulate path`` as a user runs it: its report, wall seconds and peak RSS (GiB, from wait4)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen([str(Path(sys.executable).parent / "nv"), "attack", "--simulate", str(path), "--out", str(out), "--quiet"],
+    child = subprocess.Popen([sys.executable, "-m", "nv.cli", "attack", "--simulate", str(path), "--out", str(out), "--quiet"],
                              cwd=ROOT)  # the default params.yaml
-    _, status, usage = os.wait4(child.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise NVError(f"nv attack on {path.name} failed with exit {os.waitstatus_to_exitcode(status)} (its message above)")
+    _, status, usage = os.wait4(child.pid, 0)  # reaped here, so tell Popen
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise NVError(f"nv attack on {path.name} failed with exit {child.returncode} (its message above)")
     return json.loads((out / "report.json").read_text()), time.perf_counter() - t0, usage.ru_maxrss * 1024 / GIB
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", type=shape_entry, help="d,L,n_kv_heads,d_ffn (repeatable; default: the three of SHAPES)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the random weights (default 1; the timing family's is 0)")
     ap.add_argument("--work", default="/tmp/nv-unseen")
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["planner"])
@@ -73,26 +75,28 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     wrong = []
     embedded = load_model(dtype="float32")  # the tokenizer and vocabulary of the random shapes
-    print(f"{'shape':<22} {'stop N':>9} {'common set':>13} {'robust':>12} {'paper':>6} {'tokens':>8} "
+    shapes = [shape_from_entry(e, embedded.arch.vocab_size, embedded.arch.max_positions)  # every shape checked first
+              for e in args.shape or [shape_entry(s) for s in SHAPES]]
+    print(f"{'shape':<22} {'stop N':>9} {'common set':>13} {'robust':>12} {'paper (snapped)':>16} {'tokens':>8} "
           f"{'planner N (stop/it)':>21} {'wall':>7} {'RSS':>8}", flush=True)
-    for entry in args.shape or [shape_entry(s) for s in SHAPES]:
-        path, shape = model_file(entry, params["seed"], work, embedded)
+    for shape in shapes:
+        path = model_file(shape, args.seed, work, embedded)
         report, wall, rss = attack(path, work / path.stem)
-        d = shape.d
+        d = report["d_true"]  # the file's header
         lo, hi = d_interval(report["d_hat_raw"], report["lower_bound"])
+        robust = str(report["d_hat_raw"]) if report["saturated"] else f"d >= {report['lower_bound']}"
         if not lo <= d <= hi:
-            said = report["d_hat_raw"] if report["saturated"] else f"d >= {report['lower_bound']}"
-            wrong.append(f"{path.name}: robust says {said} for d = {d}")
+            wrong.append(f"{path.name}: robust says {robust} for d = {d}")
         S = load_samples(work / path.stem / "samples")
         planner = params["planner"]
         N_for_d = fit(pilot_of(S, planner["pilot_prompts"], planner["pilot_N"], params["seed"]), planner["min_seen"]).samples_for(d, S.D)
         ratio = report["N"] / N_for_d if N_for_d and report["adaptive_stop"] == "stable" else None  # a stop, not a cap
         plan = "-" if ratio is None else f"{N_for_d:.2g} ({ratio:.2f}x {'MET' if 0.5 <= ratio <= 2 else 'MISSED'})"
-        robust = str(report["d_hat_raw"]) if report["saturated"] else f"d >= {report['lower_bound']}"
+        paper = f"{report['d_hat_paper_raw']} ({report['d_hat_paper']})" if report["d_hat_paper_raw"] else report["paper_reason"]
         print(f"{path.stem[7:]:<22} {report['N']:>9,} {report['D_prime']:>6,} x {report['common_set_size']:<6,} "
-              f"{robust + f' ({d})':>12} {report['d_hat_paper_raw'] or '-':>6} {report['tokens']:>8.2g} {plan:>21} "
+              f"{robust + f' ({d})':>12} {paper:>16} {report['tokens']:>8.2g} {plan:>21} "
               f"{wall / 60:>5.1f} m {rss:>6.2f} G", flush=True)
-        del S
+        del S  # before the next shape's sample is loaded
     return verdict(wrong)
 
 

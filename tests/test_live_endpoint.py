@@ -382,19 +382,6 @@ def _error(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
-    """A GGUF cut short (5 MB of the embedded model's file): the server's own process and the parent that starts it
-    each say so in one line."""
-    from nv.models.loading import embedded_gguf
-
-    cut = tmp_path / "cut.gguf"
-    with embedded_gguf().open("rb") as f:
-        cut.write_bytes(f.read(5 << 20))
-    with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp cannot serve .*cut.gguf") as err:
-        LlamaServer(cut, n_ctx=256).start()
-    assert "\n" not in str(err.value)
-
-
 def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys):
     params = write_params(root, tmp_path)
     name = server.model_name
@@ -429,6 +416,19 @@ def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys)
         err = _error(capsys, attack_args(server.base_url, name, params, tmp_path / "o3", "--journal", str(journal_path)))
         assert "belongs to another attack (endpoint was" in err
         assert proxy.posts == 0
+
+
+def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
+    """A GGUF cut short (5 MB of the embedded model's file): llama.cpp's own failure, in one line from the server's
+    process and from the parent that starts it."""
+    from nv.models.loading import embedded_gguf
+
+    cut = tmp_path / "cut.gguf"
+    with embedded_gguf().open("rb") as f:
+        cut.write_bytes(f.read(5 << 20))
+    with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp: Failed to load model from file: .*cut.gguf \(a file cut short") as err:
+        LlamaServer(cut, n_ctx=256).start()
+    assert "\n" not in str(err.value)
 
 
 # -- the journal itself -------------------------------------------------------------------------

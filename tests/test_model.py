@@ -95,7 +95,8 @@ def test_unknown_model_is_a_one_line_error(spec, message):
 
 def test_truncated_or_foreign_gguf_and_a_bare_folder_are_one_line_errors(tmp_path):
     """A model file the user names is checked before transformers reads it: a GGUF cut short (a download stopped at
-    5 MB of the embedded model's file) and a file that is not a GGUF each give one line, and no cache entry is left."""
+    5 MB of the embedded model's file) and a file that is not a GGUF each give one line; so does a folder without
+    config.json (transformers' tokenizer raised a ValueError there)."""
     from nv.models.loading import embedded_gguf
 
     with embedded_gguf().open("rb") as f:
@@ -106,7 +107,6 @@ def test_truncated_or_foreign_gguf_and_a_bare_folder_are_one_line_errors(tmp_pat
         with pytest.raises(NVError, match=f"{name} is not a readable GGUF file \\(.+\\): a truncated or corrupt") as err:
             load_model(str(tmp_path / name), dtype="float32", cache_dir=cache)
         assert "\n" not in str(err.value)
-    assert not cache.exists()  # nothing was dequantised or cached
     (tmp_path / "folder").mkdir()
     with pytest.raises(NVError, match="has no config.json"):
         resolve(str(tmp_path / "folder"))

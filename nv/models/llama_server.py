@@ -146,10 +146,12 @@ def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int |
                 "logits_all": logprobs, "verbose": False}
     if n_threads:
         settings.update(n_threads=n_threads, n_threads_batch=n_threads)
+    server, models = ServerSettings(host=HOST, port=port), [ModelSettings(**settings)]
     try:
-        app = create_app(server_settings=ServerSettings(host=HOST, port=port), model_settings=[ModelSettings(**settings)])
-    except ValueError as exc:  # llama.cpp's "Failed to load model from file"
-        raise NVError(f"llama.cpp cannot serve {path}: {exc} (a truncated or corrupt GGUF? fetch it again)") from None
+        app = create_app(server_settings=server, model_settings=models)
+    except ValueError as exc:  # llama.cpp's "Failed to load model from file ..." / "Failed to create llama_context"
+        raise NVError(f"llama.cpp: {exc} (a file cut short or not a GGUF, an architecture it does not support, "
+                      f"or too little memory for n_ctx = {n_ctx})") from None
     uvicorn.run(app, host=HOST, port=port, log_level="warning")
 
 

@@ -18,8 +18,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nv.errors import NVError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,9 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
     return out
 
 
-def read_gguf(path: Path):
-    """``path``'s ``gguf.GGUFReader``, which maps every tensor onto the file: a file that is not a whole GGUF (no magic,
-    a tensor past its end, a garbled header: a truncated or corrupt copy) is a one-line NVError."""
+def read_gguf(path: Path) -> GGUFReader:
+    """``path``'s ``gguf.GGUFReader``, which maps every tensor onto the file: a file cut short (a tensor past its end)
+    or not a GGUF (no magic) is a one-line NVError."""
     from gguf import GGUFReader
 
     try:

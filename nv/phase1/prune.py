@@ -16,7 +16,7 @@ class Pruned:
     cols: np.ndarray
 
 
-def greedy_prune(observed) -> Pruned:
+def greedy_prune(observed, row_weight: float = 1.0) -> Pruned:
     """Greedily drop the row or column with the highest NaN fraction until no NaN remains.
 
     `observed` is the D x |V| observation mask of Y_hat as a scipy.sparse matrix; a stored
@@ -25,9 +25,10 @@ def greedy_prune(observed) -> Pruned:
 
     All surviving rows share one denominator, so the worst row is the one with the fewest
     observed surviving entries (likewise for columns); each step compares just those two.
-    Tie-break: a strictly higher fraction wins, compared exactly as integers
-    (m_row * n_rows vs m_col * n_cols); on equal fractions the row is dropped; among rows
-    (or columns) with the same count, the lowest index goes first.
+    Tie-break: a strictly higher fraction wins, compared exactly (m_row * n_rows vs m_col * n_cols,
+    integers below 2^53); on equal fractions the row is dropped; among rows (or columns) with the
+    same count, the lowest index goes first. ``row_weight`` w != 1 (not the paper's rule; the shape
+    frontier of ``benchmarks/block_shapes.py``) drops the row when w m_row n_rows >= m_col n_cols.
     If the loop ends with no rows or no columns, both results are empty.
 
     Counts are updated incrementally: a dropped row decrements its observed columns (CSR),
@@ -55,7 +56,7 @@ def greedy_prune(observed) -> Pruned:
         m_col = n_rows - int(col_obs[c])
         if m_row == 0:  # the worst row is full, hence every row and column is full
             break
-        if m_row * n_rows >= m_col * n_cols:
+        if row_weight * m_row * n_rows >= m_col * n_cols:
             col_obs[csr.indices[csr.indptr[r] : csr.indptr[r + 1]]] -= 1
             row_obs[r] = dead
             n_rows -= 1
