@@ -7,9 +7,10 @@ tokens, the planner's ratio, wall time and the command's peak RSS; exits 1 when 
 lower bound at most d is not wrong). The planner's factor 2 is reported MET or MISSED, not failed.
 
 Run: python benchmarks/unseen_models.py [--shape D,L,N_KV,D_FFN ...] [--seed S] [--work DIR] (not in ``make bench``:
-~3-7 min and ~5.5 GB a shape here). The weights are drawn with --seed (default 1): the timing stages draw their
+~3-7 min, ~5.5 GB of memory and ~4 GB of disk a shape here). The weights are drawn with --seed (default 1): the timing stages draw their
 reference family with params.yaml's seed (0), so the default files hold weights no stage has seen. A shape's GGUF and
-run folder are kept under --work: a rerun resumes the attack's rounds.
+run folder (report, sample) are kept under --work; the rounds' checkpoints go once the attack has finished (an
+interrupted attack resumes from them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -61,6 +63,7 @@ def attack(path: Path, out: Path) -> tuple[dict, float, float]:
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
         raise NVError(f"nv attack on {path.name} failed with exit {child.returncode} (its message above)")
+    shutil.rmtree(out / ".checkpoints", ignore_errors=True)  # the rounds: as large again as the sample
     return json.loads((out / "report.json").read_text()), time.perf_counter() - t0, usage.ru_maxrss * 1024 / GIB
 
 

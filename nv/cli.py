@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def defend(args: argparse.Namespace) -> int:
 
 def _count(text: str) -> int:
     value = float(text)
-    if value < 0 or value != int(value):
+    if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
     return int(value)
 

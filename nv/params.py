@@ -233,7 +233,7 @@ def _check(name: str, section: dict, schema: dict) -> dict:
                 raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
             _check(f"{name}.{key}", entry, schema.schema_for(f"{name}.{key}", entry))
         return section
-    unknown = sorted(set(section) - set(schema)) if schema else []
+    unknown = sorted(map(str, set(section) - set(schema))) if schema else []
     if unknown:
         raise NVError(f"params: unknown key '{name}.{unknown[0]}' (known: {', '.join(schema)})")
     for key, rule_ in schema.items():
@@ -271,6 +271,8 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise NVError(f"params file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, unreadable, not text
+        raise NVError(f"params file {path} cannot be read: {exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") from None
     except yaml.YAMLError as exc:
         raise NVError(f"params file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):

@@ -87,9 +87,15 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         (["--simulate", "embedded", "--params", str(params), "--out", "/proc/nv-out"], "not writable"),
         (["--simulate", "/no/such/model.gguf", "--params", str(params), "--out", str(tmp_path / "o")], "GGUF file not found"),
         (["--simulate", "embedded", "--params", str(tmp_path / "absent.yaml")], "params file not found"),
+        (["--simulate", "embedded", "--params", str(tmp_path)], "cannot be read: Is a directory"),
+        (["--base-url", "http://127.0.0.1:abc/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "u")],
+         "InvalidURL"),
     ]
     for args, message in cases:
         proc = subprocess.run(NV + ["attack", *args], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().startswith("error:") and message in proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "inf"],
+                          capture_output=True, text=True, timeout=300)  # argparse's own usage line, then the reason
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a whole number >= 0, got inf") and "Traceback" not in proc.stderr

@@ -22,7 +22,7 @@ from nv.errors import NVError
 from nv.oracle.journal import Journal, request_key
 from nv.live import binding
 from nv.models.llama_server import LlamaServer, free_port
-from nv.oracle.http import Budget, HTTPOracle
+from nv.oracle.http import Budget, HTTPOracle, parse_reply
 
 NV = [sys.executable, "-m", "nv.cli", "attack"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -407,7 +407,9 @@ def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys)
 
     journal_path = tmp_path / "other.jsonl"
     with FaultProxy(server.base_url) as proxy:
-        Journal(journal_path, binding(proxy.url, name, _load(params))).close()
+        paid = Journal(journal_path, binding(proxy.url, name, _load(params)))
+        paid.put("k0", {"c": [], "p": 1, "o": 1})  # something paid under it: the binding holds
+        paid.close()
         other = write_params(root, tmp_path, name="other.yaml")
         text = other.read_text().replace("  N: 8\n", "  N: 9\n")
         other.write_text(text)
@@ -429,6 +431,22 @@ def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
     with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp: Failed to load model from file: .*cut.gguf \(a file cut short") as err:
         LlamaServer(cut, n_ctx=256).start()
     assert "\n" not in str(err.value)
+
+
+def test_malformed_log_probabilities_are_one_line_errors():
+    """Replies a faulty endpoint could send: a log-prob that is not a number, NaN or positive, a token entry that is
+    not an object, token bytes that are not bytes. Each used to escape as an AttributeError, ValueError or TypeError
+    (or poison the journal with NaN); a sound reply still parses."""
+    def reply(entry):
+        return {"choices": [{"index": 0, "logprobs": {"content": [entry]}}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+    good = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    assert parse_reply(reply(good), chat=True, top_logprobs=0)["c"] == [["b:61", -0.5, []]]
+    for bad in ("tok", good | {"logprob": "abc"}, good | {"logprob": float("nan")}, good | {"logprob": 5.0},
+                good | {"bytes": [300]}, good | {"bytes": ["a"]}):
+        with pytest.raises(NVError, match="log-probabilities are malformed") as err:
+            parse_reply(reply(bad), chat=True, top_logprobs=0)
+        assert "\n" not in str(err.value)
 
 
 # -- the journal itself -------------------------------------------------------------------------
@@ -459,6 +477,31 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
     with pytest.raises(NVError, match=r"belongs to another attack \(endpoint was 'e', now 'f'\)"):
         path.write_bytes(whole)
         Journal(path, {"endpoint": "f"})
+
+
+def test_journal_refuses_a_foreign_file_untouched_and_reuses_one_where_nothing_was_paid(tmp_path, caplog):
+    """A --journal path naming someone else's file is refused and left as it was, even a one-line file (it used to
+    be taken for a torn header and overwritten); a journal whose header is all it holds (a first run that failed its
+    set-up checks) serves the corrected attack instead of refusing it."""
+    for content in (b"garbage", b"[1]\n", b"\xff\xfe", b'{"a": 1}\n{"b": 2'):
+        path = tmp_path / "other.jsonl"
+        path.write_bytes(content)
+        with pytest.raises(NVError, match="is not a NightVision journal"):
+            Journal(path, {"endpoint": "e"})
+        assert path.read_bytes() == content
+    path = tmp_path / "j.jsonl"
+    Journal(path, {"endpoint": "typo"}).close()  # nothing paid under it
+    with caplog.at_level("INFO"):
+        j = Journal(path, {"endpoint": "e"})
+    assert "no reply was paid" in caplog.text
+    j.put("k1", {"c": [], "p": 5, "o": 1})
+    j.close()
+    with pytest.raises(NVError, match="belongs to another attack"):  # once something is paid, the binding holds
+        Journal(path, {"endpoint": "f"})
+    torn = tmp_path / "torn.jsonl"  # our own first write cut short: a torn header is dropped, not refused
+    torn.write_bytes(b'{"binding":{"endp')
+    Journal(torn, {"endpoint": "e"}).close()
+    assert torn.read_bytes().startswith(b'{"binding":{"endpoint":"e"}')
 
 
 def test_dry_run_theory_is_theorem_1_inverted():
@@ -644,6 +687,7 @@ def test_defended_proxy_rounds_what_the_attack_sees(baseline, defended, server, 
 
 def test_defend_bad_arguments_are_one_line(server, capsys):
     for argv, message in ((["--upstream", "ftp://x", "--port", "9"], "--upstream must be an http(s) URL"),
+                          (["--upstream", "http://[::1", "--port", "9"], "--upstream must be an http(s) URL"),
                           (["--upstream", server.base_url, "--port", "70000"], "--port must be in 1..65535"),
                           (["--upstream", server.base_url, "--port", "9", "--defence", "pad_to_tokens=64"], "pad_to_tokens needs"),
                           (["--upstream", server.base_url, "--port", "9", "--defence", "top_q=1"], "unknown --defence key 'top_q'")):

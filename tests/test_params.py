@@ -58,6 +58,14 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
         load_params(tmp_path / "bad.yaml")
     with pytest.raises(NVError, match="params file not found"):
         load_params(tmp_path / "absent.yaml")
+    with pytest.raises(NVError, match="cannot be read: Is a directory"):
+        load_params(tmp_path)
+    (tmp_path / "latin.yaml").write_bytes(b"seed: 0\n# caf\xe9\n")
+    with pytest.raises(NVError, match="cannot be read: not UTF-8 text"):
+        load_params(tmp_path / "latin.yaml")
+    params["search"].update({1: 5, "foo": 3})  # unknown keys of two types: named, not a TypeError from sorting them
+    with pytest.raises(NVError, match="unknown key 'search.1'"):
+        load_params(write(tmp_path, params), ["search"])
 
 
 def test_stage_cli_one_line_error_no_traceback(tmp_path, params, root):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,16 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
         load_samples(out)
     with pytest.raises(NVError, match="no sampling manifest"):
         load_samples(tmp_path / "nothing")
+    # a manifest or shard that is whole but wrong: one line, not a KeyError, a TypeError or (token ids past the
+    # vocabulary reaching scipy) a segmentation fault
+    manifest = json.loads((fresh / "manifest.json").read_text())
+    for bad in ({}, [], {**manifest, "D": "5"}, {**manifest, "chunk": 0}, {k: v for k, v in manifest.items() if k != "temperature"}):
+        (fresh / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(NVError, match="manifest.json is corrupt"):
+            load_samples(fresh)
+    (fresh / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 10}))
+    with pytest.raises(NVError, match="shard-0000000.npz is missing or corrupt"):
+        load_samples(fresh)
 
 
 def test_a_full_disk_is_a_one_line_error_and_the_rerun_resumes(lm32, tmp_path, capsys):

@@ -36,8 +36,12 @@ HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"
 
 def check_upstream(url: str) -> str:
     """The upstream base URL (scheme and host, no path), or a one-line error."""
-    u = urlparse(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
+    try:
+        u = urlparse(url)
+        ok = u.scheme in ("http", "https") and u.hostname
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        ok = False
+    if not ok:
         raise NVError(f"--upstream must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
     return f"{u.scheme}://{u.netloc}"
 

@@ -92,7 +92,7 @@ def token_key(entry: dict | None) -> str | None:
         return None
     raw = entry.get("bytes")
     if isinstance(raw, list) and raw:
-        return "b:" + bytes(raw).hex()
+        return "b:" + bytes(raw).hex()  # ValueError / TypeError on ids that are not bytes: parse_reply's
     text = entry.get("token")
     if not isinstance(text, str) or text == "" or "\ufffd" in text:
         return None
@@ -105,7 +105,8 @@ def parse_reply(data, chat: bool, top_logprobs: int) -> dict:
     """The journal record of one reply: per choice [token key, log-prob, top entries], usage.
 
     A choice whose log-probs are present but empty (llama.cpp when the end-of-turn token is drawn)
-    gives [None, None, []]. A reply without log-probs at all raises NVError.
+    gives [None, None, []]. A reply without log-probs at all, or with malformed ones (not a finite number <= 0, a
+    token that is not a string or bytes), raises NVError.
     """
     try:
         choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
@@ -118,19 +119,30 @@ def parse_reply(data, chat: bool, top_logprobs: int) -> dict:
         if not isinstance(lp, dict):
             raise NVError("the endpoint returned no log-probabilities (llama.cpp: logits_all on; vLLM: --max-logprobs >= 1; "
                           "hosted: a model with logprobs)")
-        if chat:
-            content = lp.get("content") or []
-            first = content[0] if content else None
-            top = (first or {}).get("top_logprobs") or []
-            entries = [(token_key(t), t.get("logprob")) for t in top[:top_logprobs]]
-        else:
-            tokens = lp.get("tokens") or []
-            first = {"token": tokens[0], "logprob": (lp.get("token_logprobs") or [None])[0]} if tokens else None
-            top = ((lp.get("top_logprobs") or [None])[0] or {}) if tokens else {}
-            entries = [(token_key({"token": t}), v) for t, v in list(top.items())[:top_logprobs]]
-        value = None if first is None or first.get("logprob") is None else float(first["logprob"])
-        record["c"].append([token_key(first), value, [[k, float(v)] for k, v in entries if k and v is not None]])
+        try:
+            if chat:
+                content = lp.get("content") or []
+                first = content[0] if content else None
+                top = (first or {}).get("top_logprobs") or []
+                entries = [(token_key(t), t.get("logprob")) for t in top[:top_logprobs]]
+            else:
+                tokens = lp.get("tokens") or []
+                first = {"token": tokens[0], "logprob": (lp.get("token_logprobs") or [None])[0]} if tokens else None
+                top = ((lp.get("top_logprobs") or [None])[0] or {}) if tokens else {}
+                entries = [(token_key({"token": t}), v) for t, v in list(top.items())[:top_logprobs]]
+            value = None if first is None or first.get("logprob") is None else _logprob(first["logprob"])
+            record["c"].append([token_key(first), value, [[k, _logprob(v)] for k, v in entries if k and v is not None]])
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise NVError(f"the endpoint's log-probabilities are malformed ({exc}): {json.dumps(lp, default=str)[:200]}") from None
     return record
+
+
+def _logprob(value) -> float:
+    """A reply's log-probability: a finite number <= 0 (a rounding slack of 1e-4 above), else ValueError."""
+    v = float(value)
+    if not math.isfinite(v) or v > 1e-4:
+        raise ValueError(f"log-probability {value!r} is not a finite number <= 0")
+    return v
 
 
 def request_seed(seed, index: int) -> int:
@@ -215,13 +227,13 @@ class HTTPOracle(Oracle):
         url = f"{self.base_url}/models"
         try:
             r = httpx.get(url, headers=self._headers, timeout=min(self.limits.timeout, 30))
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise NVError(f"cannot reach {url}: {type(exc).__name__} {exc}".strip()) from None
         if r.status_code in (401, 403):
             raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): set the API key variable")
         try:
             data = r.json()
-            served = [m["id"] for m in data["data"]]
+            served = [str(m["id"]) for m in data["data"]]
         except (ValueError, KeyError, TypeError):
             kind = r.headers.get("content-type", "no content type")
             raise NVError(f"{url} did not answer an OpenAI model list (HTTP {r.status_code}, {kind}): "

@@ -82,14 +82,17 @@ class Journal:
             self.close()
             raise NVError(f"journal {self.path} is in use by another process") from None
         entries = self._read_entries()
+        if len(entries) == 1 and entries[0].get("binding") != self.binding:
+            # a header and nothing paid under it (a first run that failed its set-up checks): nothing to lose, so the
+            # corrected command reuses the file instead of being refused
+            log.info("journal %s: no reply was paid under its binding; reused for this attack", self.path)
+            os.ftruncate(self._fd, 0)
+            entries = []
         if not entries:
             self._append({"journal": MAGIC, "version": VERSION, "binding": self.binding})
             self.sync()
             return
         header = entries[0]
-        if header.get("journal") != MAGIC or header.get("version") != VERSION:
-            self.close()
-            raise NVError(f"{self.path} is not a NightVision journal (version {VERSION})")
         if header.get("binding") != self.binding:
             diff = _first_difference(header.get("binding"), self.binding)
             self.close()
@@ -114,6 +117,11 @@ class Journal:
                 tail = line + b"\n"  # an unparsable last line is torn too
                 break
             entries.append(entry)
+        start = b'{"binding":'  # how a header (canonical: sorted keys) begins
+        if (entries and (entries[0].get("journal") != MAGIC or entries[0].get("version") != VERSION)) or (
+                not entries and tail and not (tail.startswith(start) or start.startswith(tail))):  # no header, nor a torn one
+            self.close()  # before anything is truncated: someone else's file stays as it was
+            raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
         if tail:
             keep = len(raw) - len(tail)
             log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))

@@ -116,10 +116,20 @@ def _save_shard(path: Path, samples, vocab_size: int) -> None:
     os.replace(tmp, path)
 
 
-def _shard_ok(path: Path, rows: int) -> bool:
+SHARD_FIELDS = {"indptr", "indices", "counts", "logprobs", "prompt_tokens"}
+MANIFEST_INTS = ("N", "chunk", "D", "vocab_size")
+
+
+def _shard_ok(path: Path, rows: int, vocab_size: int) -> bool:
+    """A whole shard of ``rows`` prompts: every array, row pointers from 0 up to its entries, token ids in the
+    vocabulary (ids past it would reach scipy unchecked)."""
     try:
         with np.load(path) as z:
-            return len(z["indptr"]) == rows + 1 and len(z["indices"]) == z["indptr"][-1]
+            if not SHARD_FIELDS <= set(z.files):
+                return False
+            indptr, indices = z["indptr"], z["indices"]
+            return (len(indptr) == rows + 1 and indptr[0] == 0 and bool(np.all(np.diff(indptr) >= 0))
+                    and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size))
     except Exception:  # a torn or corrupt shard is recomputed
         return False
 
@@ -148,7 +158,7 @@ def collect(
     work.mkdir(parents=True, exist_ok=True)
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     starts = range(0, len(prompts), chunk)
-    todo = [s for s in starts if not _shard_ok(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]))]
+    todo = [s for s in starts if not _shard_ok(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size)]
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
                desc=f"sampling N={N:g}", unit="prompt", disable=not progress)
     for s in todo:
@@ -189,10 +199,14 @@ def _shard_paths(folder: Path) -> tuple[dict, list[Path]]:
         meta = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         raise NVError(f"no sampling manifest in {folder}: run the sampling stage first") from None
+    if not (isinstance(meta, dict) and all(isinstance(meta.get(k), int) and meta[k] >= 1 for k in MANIFEST_INTS)
+            and isinstance(meta.get("temperature"), (int, float)) and meta["temperature"] > 0):
+        raise NVError(f"sampling manifest {folder / MANIFEST} is corrupt (it needs {', '.join(MANIFEST_INTS)} >= 1 and a "
+                      "temperature > 0): rerun the sampling stage")
     paths = []
     for s in range(0, meta["D"], meta["chunk"]):
         path = folder / f"shard-{s:07d}.npz"
-        if not _shard_ok(path, min(meta["chunk"], meta["D"] - s)):
+        if not _shard_ok(path, min(meta["chunk"], meta["D"] - s), meta["vocab_size"]):
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
         paths.append(path)
     return meta, paths
