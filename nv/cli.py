@@ -22,6 +22,8 @@ PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
 
 
 def _writable(folder: Path) -> Path:
+    if folder.exists() and not folder.is_dir():
+        raise NVError(f"output folder {folder} is a file: give a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".write-test"

@@ -6,6 +6,7 @@ Sections missing from the schema are passed through unchecked (later phases add 
 
 from __future__ import annotations
 
+import math
 import re
 
 from collections.abc import Callable
@@ -171,15 +172,15 @@ SCHEMA: dict[str, dict] = {
     "defence": {
         "round_decimals": _opt((int,), lambda v: v >= 0, "an int >= 0"),
         "round_format": _opt((str,), lambda v: v in ("fp16", "bf16", "fp8_e4m3"), "one of ('fp16', 'bf16', 'fp8_e4m3')"),
-        "noise_sigma": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
+        "noise_sigma": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "min_logprob": _opt((int, float), lambda v: v <= 0, "a number <= 0"),
         "max_temperature": _opt((int, float), lambda v: v > 0, "a number > 0"),
         "top_k": _opt((int,), lambda v: v >= 1, "an int >= 1"),
         "top_p": _opt((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
         "min_p": _opt((int, float), lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        "latency_quantum_ms": _opt((int, float), lambda v: v > 0, "a number > 0"),
-        "delay_uniform_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
-        "delay_exp_ms": _opt((int, float), lambda v: v >= 0, "a number >= 0"),
+        "latency_quantum_ms": _opt((int, float), lambda v: 0 < v < math.inf, "a finite number > 0"),
+        "delay_uniform_ms": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        "delay_exp_ms": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "pad_to_tokens": _opt((int,), lambda v: v >= 1, "an int >= 1"),
     },
     # the defences stage (nv.defences): knobs swept one at a time, each a list of defence-section values

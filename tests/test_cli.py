@@ -88,6 +88,7 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         (["--simulate", "/no/such/model.gguf", "--params", str(params), "--out", str(tmp_path / "o")], "GGUF file not found"),
         (["--simulate", "embedded", "--params", str(tmp_path / "absent.yaml")], "params file not found"),
         (["--simulate", "embedded", "--params", str(tmp_path)], "cannot be read: Is a directory"),
+        (["--simulate", "embedded", "--params", str(params), "--out", str(params)], "is a file: give a folder"),
         (["--base-url", "http://127.0.0.1:abc/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "u")],
          "InvalidURL"),
     ]

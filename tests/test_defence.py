@@ -297,7 +297,8 @@ def test_the_shipped_defence_section_is_all_off_and_bad_values_are_one_line_erro
     assert not Defence(**check_section("defence", section)).active
     for key, value, message in [("noise_sigma", -0.1, ">= 0"), ("top_p", 0.0, r"\(0, 1\]"), ("top_p", 1.5, r"\(0, 1\]"),
                                 ("round_format", "fp4", "one of"), ("top_k", 2.5, "int"), ("round_decimals", True, "bool"),
-                                ("latency_quantum_ms", 0, "> 0"), ("min_p", "a", "float")]:
+                                ("latency_quantum_ms", 0, "> 0"), ("min_p", "a", "float"),
+                                ("noise_sigma", float("inf"), "finite"), ("delay_exp_ms", float("inf"), "finite")]:
         with pytest.raises(NVError, match=f"defence.{key}.*{message}") as err:
             check_section("defence", {**section, key: value})
         assert "\n" not in str(err.value)
