@@ -6,6 +6,7 @@ Sections missing from the schema are passed through unchecked (later phases add 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -42,6 +43,15 @@ _D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and 
 def _opt(types, ok: Callable[[object], bool], rule: str) -> Check:
     """A knob that is null (off) or a value of ``types`` satisfying ``ok``."""
     return ((*types, type(None)), lambda v: v is None or ok(v), f"null or {rule}")
+
+
+def _plain_json(value) -> bool:
+    """Sendable as a request body: JSON with no dates, NaN or other YAML-only values."""
+    try:
+        json.dumps(value, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 class EachOf(dict):
@@ -126,7 +136,7 @@ SCHEMA: dict[str, dict] = {
         "chat": _BOOL,
         "n_per_request": _POS_INT,
         "top_logprobs": _NONNEG_INT,
-        "extra_body": (dict, None, ""),
+        "extra_body": (dict, _plain_json, "a mapping of plain JSON (no dates, no NaN)"),
         "columns": _POS_INT,
         "prompt_tokens": _POS_INT,
         "concurrency": _POS_INT,

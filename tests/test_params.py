@@ -1,5 +1,6 @@
 """params.yaml validation: one-line errors naming the key, on the CLI without a traceback."""
 
+import datetime
 import re
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
     (tmp_path / "latin.yaml").write_bytes(b"seed: 0\n# caf\xe9\n")
     with pytest.raises(NVError, match="cannot be read: not UTF-8 text"):
         load_params(tmp_path / "latin.yaml")
+    with pytest.raises(NVError, match="'live.extra_body' must be a mapping of plain JSON"):  # a YAML date: no JSON
+        load_params(write(tmp_path, {**params, "live": {**params["live"], "extra_body": {"when": datetime.date(2024, 1, 1)}}}), ["live"])
     params["search"].update({1: 5, "foo": 3})  # unknown keys of two types: named, not a TypeError from sorting them
     with pytest.raises(NVError, match="unknown key 'search.1'"):
         load_params(write(tmp_path, params), ["search"])

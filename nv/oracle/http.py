@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -170,6 +171,12 @@ class HTTPOracle(Oracle):
         progress: bool = False,
     ) -> None:
         super().__init__()
+        try:
+            parts = urlsplit(base_url)
+        except ValueError:  # preflight names what is wrong with it
+            parts = None
+        if parts and (parts.query or parts.fragment):
+            raise NVError(f"base URL {base_url!r} must not carry a query or fragment: give e.g. http://127.0.0.1:8080/v1")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.chat = chat
