@@ -14,10 +14,14 @@ class NVError(Exception):
     """
 
 
+PATH_ERRORS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def run_main(work: Callable[[], object]) -> int:
-    """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as does a
-    full disk (ENOSPC, EDQUOT: the file it failed to write); Ctrl-C exit status 130 (finished work is checkpointed,
-    so the same command resumes); otherwise the status ``work`` returns when it is an int, else 0."""
+    """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as do a
+    full disk (ENOSPC, EDQUOT: the file it failed to write) and a path of the wrong kind or out of this user's reach
+    (EISDIR, ENOTDIR, EACCES, EPERM, EROFS: the path); Ctrl-C exit status 130 (finished work is checkpointed, so the
+    same command resumes); otherwise the status ``work`` returns when it is an int, else 0."""
     try:
         status = work()
         return status if isinstance(status, int) else 0
@@ -28,6 +32,9 @@ def run_main(work: Callable[[], object]) -> int:
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
         return 130
     except OSError as exc:
+        if exc.errno in PATH_ERRORS and exc.filename:
+            print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+            return 2
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         where = f" writing {exc.filename}" if exc.filename else ""

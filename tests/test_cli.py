@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import yaml
 
 from conftest import write_tiny_params
+from nv.errors import run_main
 from nv.phase1.planner import fit
 from nv.phase1.sampling import load_samples
 
@@ -102,3 +104,15 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
     proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "inf"],
                           capture_output=True, text=True, timeout=300)  # argparse's own usage line, then the reason
     assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a whole number >= 0, got inf") and "Traceback" not in proc.stderr
+
+
+def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):
+    """What a rerun over an earlier output folder can meet (report.json turned into a folder, samples/ into a file):
+    the path and the reason in one line, exit 2, where a traceback came before."""
+    (tmp_path / "report.json").mkdir()
+    (tmp_path / "samples").write_text("")
+    for work, path in ((lambda: (tmp_path / "report.json").write_text("{}"), "report.json"),
+                       (lambda: shutil.rmtree(tmp_path / "samples"), "samples")):
+        assert run_main(work) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and err.rstrip().endswith(path)
