@@ -93,7 +93,7 @@ def token_key(entry: dict | None) -> str | None:
         return None
     raw = entry.get("bytes")
     if isinstance(raw, list) and raw:
-        return "b:" + bytes(raw).hex()  # ValueError / TypeError on ids that are not bytes: parse_reply's
+        return "b:" + bytes(raw).hex()  # ids that are not bytes raise here; parse_reply reports them
     text = entry.get("token")
     if not isinstance(text, str) or text == "" or "\ufffd" in text:
         return None
