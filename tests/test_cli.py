@@ -92,9 +92,11 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         (["--simulate", "embedded", "--params", str(tmp_path)], "cannot be read: Is a directory"),
         (["--simulate", "embedded", "--params", str(params), "--out", str(params)], "is a file: give a folder"),
         (["--base-url", "http://127.0.0.1:abc/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "u")],
-         "InvalidURL"),
+         "the port must be a number in 1-65535"),
         (["--base-url", "http://127.0.0.1:9/v1?x=1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "q")],
          "must not carry a query or fragment"),
+        (["--base-url", "http://127.0.0.1:70000/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "p")],
+         "the port must be a number in 1-65535"),
     ]
     for args, message in cases:
         proc = subprocess.run(NV + ["attack", *args], capture_output=True, text=True, timeout=300)

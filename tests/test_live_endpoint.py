@@ -688,6 +688,7 @@ def test_defended_proxy_rounds_what_the_attack_sees(baseline, defended, server, 
 def test_defend_bad_arguments_are_one_line(server, capsys):
     for argv, message in ((["--upstream", "ftp://x", "--port", "9"], "--upstream must be an http(s) URL"),
                           (["--upstream", "http://[::1", "--port", "9"], "--upstream must be an http(s) URL"),
+                          (["--upstream", "http://127.0.0.1:70000", "--port", "9"], "--upstream must be an http(s) URL"),
                           (["--upstream", server.base_url, "--port", "70000"], "--port must be in 1..65535"),
                           (["--upstream", server.base_url, "--port", "9", "--defence", "pad_to_tokens=64"], "pad_to_tokens needs"),
                           (["--upstream", server.base_url, "--port", "9", "--defence", "top_q=1"], "unknown --defence key 'top_q'")):

@@ -38,7 +38,7 @@ def check_upstream(url: str) -> str:
     """The upstream base URL (scheme and host, no path), or a one-line error."""
     try:
         u = urlparse(url)
-        ok = u.scheme in ("http", "https") and u.hostname
+        ok = u.scheme in ("http", "https") and u.hostname and u.port != 0  # .port checks the range
     except ValueError:  # e.g. an unclosed IPv6 bracket
         ok = False
     if not ok:

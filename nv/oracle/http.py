@@ -177,6 +177,12 @@ class HTTPOracle(Oracle):
             parts = None
         if parts and (parts.query or parts.fragment):
             raise NVError(f"base URL {base_url!r} must not carry a query or fragment: give e.g. http://127.0.0.1:8080/v1")
+        try:
+            port = parts.port if parts else None  # urllib checks the range; httpx would say "connection refused"
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise NVError(f"base URL {base_url!r}: the port must be a number in 1-65535")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.chat = chat
