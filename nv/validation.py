@@ -32,7 +32,7 @@ from nv.errors import NVError
 from nv.overall import with_trials
 from nv.phase2 import prefill
 from nv.phase2.evaluation import held_out
-from nv.phase2.fit import relative_error, total_params
+from nv.phase2.fit import total_params
 
 ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
 
