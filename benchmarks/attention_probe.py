@@ -9,7 +9,8 @@ d: phase 1's snapped d_hat equals it on all three (README: validation). Checkpoi
 rerun resumes. A measurement, not a speed bound: it wants an otherwise idle machine, and it exits 1 only on a failed fit.
 
 Run: python benchmarks/attention_probe.py [--models embedded qwen2.5-coder-0.5b] [--platform inprocess|llamacpp]
-[--references NAME ...] [--shape D L KV FFN ...] [--matched L ...] [--trials 10] [--ell-max 2048] [--work DIR] (not in ``make bench``: ~10 minutes in process here, 12 on the llama.cpp server, 22 there at --ell-max 4096).
+[--references NAME ...] [--shape D L KV FFN ...] [--matched L ...] [--trials 10] [--ell-max 2048] [--work DIR]
+(not in ``make bench``: ~10 minutes in process here, 12 on the llama.cpp server, 22 there at --ell-max 4096).
 """
 
 from __future__ import annotations
