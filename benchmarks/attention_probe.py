@@ -9,8 +9,9 @@ d: phase 1's snapped d_hat equals it on all three (README: validation). Checkpoi
 rerun resumes. A measurement, not a speed bound: it wants an otherwise idle machine, and it exits 1 only on a failed fit.
 
 Run: python benchmarks/attention_probe.py [--models embedded qwen2.5-coder-0.5b] [--platform inprocess|llamacpp]
-[--references NAME ...] [--shape D L KV FFN ...] [--matched L ...] [--trials 10] [--ell-max 2048] [--work DIR]
-(not in ``make bench``: ~10 minutes in process here, 12 on the llama.cpp server, 22 there at --ell-max 4096).
+[--references NAME ...] [--shape D L KV FFN ...] [--head-dim 64] [--matched L ...] [--trials 10] [--ell-max 2048]
+[--work DIR]
+(not in ``make bench``: ~10 minutes in process here, 12 on the llama.cpp server, 22-27 there at --ell-max 4096).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from nv.models.loading import load_model, release_memory, resolve
+from nv.models.reference_family import HEAD_DIM
 from nv.params import load_params
 from nv.phase2.platforms import TimedModel, platform_oracle, reference_model
 from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, matched_references, measure_cached
@@ -61,6 +63,7 @@ def main() -> int:
     ap.add_argument("--references", nargs="*", help="names of timing_family to time (default: all)")
     ap.add_argument("--shape", nargs=4, type=int, action="append", default=[], metavar=("D", "L", "KV", "FFN"),
                     help="one more random-weight reference of this shape (repeatable): what g depends on besides L d")
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="the head size of the --shape references (KV heads in these)")
     ap.add_argument("--matched", nargs="*", type=int, metavar="L",
                     help="also time references at each real model's own d of these depths (the attacker's default "
                          "KV and MLP ratios) and calibrate its b on them alone")
@@ -82,7 +85,8 @@ def main() -> int:
     if unknown:
         ap.error(f"--references {unknown} not in params.yaml's timing_family")
     references = {name: entry for name, entry in family.items() if args.references is None or name in args.references}
-    references.update({f"s-{d}x{L}-kv{kv}-f{ffn}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn}
+    h = "" if args.head_dim == HEAD_DIM else f"-h{args.head_dim}"
+    references.update({f"s-{d}x{L}-kv{kv}-f{ffn}{h}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn, "head_dim": args.head_dim}
                        for d, L, kv, ffn in args.shape})
     for name, entry in references.items():
         results.append(probe(reference_model(name, entry, base, params["seed"]), args.platform, contexts, args, params))

@@ -10,7 +10,7 @@ over the first ``--select`` prompts (those every prompt makes likely: what sampl
   floor of known scale sigma_e = rms spacing / (tau sqrt 12), which no reweighting of rows, columns or entries lowers;
 - per block D' x C (the first D' prompts, the first C columns): the edge ratio R (``nv.phase1.exactness.edge_ratio``),
   the robust estimator's outcome, and sigma_{d-1}, sigma_d, sigma_{d+1} of the row-centred block over the
-  Marchenko-Pastur edge of the noise outside the d signal directions, sigma_e (sqrt(D' - d) + sqrt(C - d)): the
+  Marchenko-Pastur edge of the noise outside the d signal directions (``nv.phase1.exactness.noise_edge``): the
   weakest directions near 1 are at the edge of detectability, far above it they are limited by the block's shape
   only; sigma_{d+1} / edge is where the bulk tops out (~1 for an i.i.d. floor, above 1 for a heteroscedastic one).
 
@@ -36,7 +36,7 @@ from nv.oracle import Simulator
 from nv.oracle.defence import format_quantum, round_to_format
 from nv.oracle.simulator import log_softmax
 from nv.params import load_params
-from nv.phase1.exactness import edge_ratio
+from nv.phase1.exactness import edge_ratio, noise_edge
 from nv.phase1.search import random_prompts
 from nv.phase1.spectrum import centred_singular_values, robust_from_singular_values
 
@@ -100,7 +100,7 @@ def main() -> int:
         sigma, beta = centred_singular_values(y[:D_prime, :C])
         e = robust_from_singular_values(sigma, beta, **params["spectrum"]["robust"])
         sigma_e = np.sqrt(np.mean(spacing[:D_prime, :C] ** 2) / 12) / args.tau
-        edge = sigma_e * (np.sqrt(D_prime - d) + np.sqrt(C - d))
+        edge = noise_edge(sigma_e, D_prime, C, d)
         R = float(edge_ratio(D_prime, C))
         said = f"d_hat_raw = {e.d_hat_raw}" if e.saturated else f"d >= {e.lower_bound}"
         print(f"{D_prime:>5}x{C:<5} {R:6.0f}  {said:<18} " + "  ".join(f"{v:.3f}" for v in sigma[d - 2:d + 1] / edge), flush=True)
@@ -141,7 +141,7 @@ def write(out: Path, model: str, d: int, ratio: float, rows: list[dict]) -> None
     ax.text(ax.get_xlim()[1], 1, "noise edge ", ha="right", va="bottom", fontsize=8)
     ax.set_xlabel("index i")
     ax.set_ylabel("sigma_i / bf16 noise edge")
-    ax.set_title(f"{model}: the spectrum's tail against the bf16 floor\n(edge = sigma_e (sqrt(D' - d) + sqrt(C - d)), "
+    ax.set_title(f"{model}: the spectrum's tail against the bf16 floor\n(edge = sigma_e (sqrt(D' - d) + sqrt(C - 1 - d)), "
                  f"sigma_e = rms spacing / (tau sqrt 12))", fontsize=9)
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()

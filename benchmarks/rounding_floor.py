@@ -1,7 +1,7 @@
 """The rounding floor as the attacker sees it (issue 14: could a detector that knows the floor stop earlier?): the
 bf16 grid the served log-probs lie on, read from the common set's own entries, gives the rounding error's sigma_e and
-the Marchenko-Pastur edge of i.i.d. noise of that scale in the complement of the d signal directions,
-sigma_e (sqrt(D' - d) + sqrt(|C| - 1 - d)) (the true d, evaluation only; an estimator would solve for it). Prints, per
+the Marchenko-Pastur edge of i.i.d. noise of that scale in the complement of the d signal directions
+(``nv.phase1.exactness.noise_edge``, the true d, evaluation only; an estimator would solve for it). Prints, per
 budget N, sigma_e, the singular values sigma_i of the row-centred Y near i = d over that edge, the top of the noise
 bulk (beyond d + 24) over it, and the robust estimate; exits 1 if the robust estimator is wrong. The white-box view of
 the same floor is ``noise_floor.py``.
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from nv.params import load_params
-from nv.phase1.exactness import edge_ratio, outcome
+from nv.phase1.exactness import edge_ratio, noise_edge, outcome
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.prune import greedy_prune
 from nv.phase1.sampling import load_samples
@@ -75,7 +75,7 @@ def main() -> int:
         grids = ", ".join(f"{h:g}: {w:.0%}" for h, w in shares.items())
         if min(Dp, C - 1) > d + 2:
             sigma, _ = centred_singular_values(Y)
-            ratio = sigma / (sigma_e * (np.sqrt(Dp - d) + np.sqrt(C - 1 - d)))
+            ratio = sigma / noise_edge(sigma_e, Dp, C, d)
             bulk = f"{ratio[d + 24:].max():.3f}" if ratio.size > d + 24 else "-"
             near = f"{' '.join(f'{v:.3f}' for v in ratio[d - 5:d + 2])}; bulk top {bulk}"
         else:

@@ -217,7 +217,8 @@ SCHEMA: dict[str, dict] = {
         }),
     },
     # a random-weight shape (CPU default), or {spec: a hub id / folder / .gguf} of a real model (GPU profile)
-    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR}),
+    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR},
+                            {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT, "head_dim": _POS_INT}),
 }
 
 

@@ -13,10 +13,10 @@ import pytest
 from nv.errors import NVError
 from nv.phase1.adaptive import next_budget, stopped
 from nv.phase1.exactness import (adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio, first, grid,
-                                 outcome, threshold)
+                                 noise_edge, outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
-from nv.phase1.spectrum import SpectrumEstimate
+from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
 from nv.plots.exactness import grid as grid_figure
@@ -106,6 +106,19 @@ def test_threshold_brackets_the_exact_cells_by_their_edge_ratio(toy, tmp_path):
     assert threshold(overlap).separates.tolist() == [False]
     for t in (table, overlap):
         assert save(threshold_figure(t, threshold(t)), tmp_path / "threshold.png").stat().st_size > 20_000
+
+
+def test_noise_edge_tops_the_noise_outside_the_signal_directions():
+    """Rank-d signal with per-row offsets plus i.i.d. noise of scale sigma_e: the row-centred spectrum's noise part
+    tops out at noise_edge (d and the offset's direction removed), not at the full block's edge."""
+    rng = np.random.default_rng(0)
+    D_prime, C, d, sigma_e = 500, 300, 150, 0.05
+    Y = (10 * rng.standard_normal((D_prime, d)) @ rng.standard_normal((d, C)) / np.sqrt(d)
+         + 5 * rng.standard_normal((D_prime, 1)) + sigma_e * rng.standard_normal((D_prime, C)))
+    sigma, _ = centred_singular_values(Y)
+    edge = noise_edge(sigma_e, D_prime, C, d)
+    assert sigma[d - 1] > 10 * edge and 0.95 < sigma[d] / edge < 1.02
+    assert sigma[d] < 0.8 * sigma_e * (np.sqrt(D_prime) + np.sqrt(C))
 
 
 def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):

@@ -86,7 +86,8 @@ def test_stage_cli_one_line_error_no_traceback(tmp_path, params, root):
          "unknown platform 'timing.platforms.gpu'"),
         (lambda p: p["timing"]["platforms"]["inprocess"].update(trials=1), "'timing.platforms.inprocess.trials' must be >= 2"),
         (lambda p: p["timing"]["platforms"]["llamacpp"].update(references=[]), "'all' or a non-empty list"),
-        (lambda p: p["timing_family"].update(bad={"d": 512, "spec": "x"}), r"'timing_family.bad' must have exactly the keys \{d, L, n_kv_heads, d_ffn\} or \{spec\}"),
+        (lambda p: p["timing_family"].update(bad={"d": 512, "spec": "x"}),
+         r"'timing_family.bad' must have exactly the keys \{d, L, n_kv_heads, d_ffn\} or \{spec\} or \{d, L, n_kv_heads, d_ffn, head_dim\}"),
         (lambda p: p["timing_family"]["ref-384x12"].update(d=0), "'timing_family.ref-384x12.d' must be >= 1"),
         (lambda p: p["timing_target"].update(d_hat="guess"), "'timing_target.d_hat' must be 'phase1' or an int"),
     ],
@@ -97,9 +98,10 @@ def test_timing_sections_are_checked(tmp_path, params, edit, message):
         load_params(write(tmp_path, params))
 
 
-def test_a_reference_model_may_be_a_real_model_spec(tmp_path, params):
-    params["timing_family"] = {"smollm2": {"spec": "embedded"}}
-    assert load_params(write(tmp_path, params))["timing_family"] == {"smollm2": {"spec": "embedded"}}
+def test_a_reference_model_may_be_a_real_model_spec_or_have_wider_heads(tmp_path, params):
+    family = {"smollm2": {"spec": "embedded"}, "h128": {"d": 1536, "L": 16, "n_kv_heads": 2, "d_ffn": 4096, "head_dim": 128}}
+    params["timing_family"] = family
+    assert load_params(write(tmp_path, params))["timing_family"] == family
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,12 @@ def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
     assert reader.fields["llama.embedding_length"].contents() == 128
     assert reader.fields["tokenizer.chat_template"].contents().startswith("{%")
     assert not (tmp_path / "tiny.tmp").exists()
+    wide = shape_from_entry({"d": 256, "L": 1, "n_kv_heads": 1, "d_ffn": 256, "head_dim": 128}, lm32.arch.vocab_size, 512)
+    assert (wide.n_heads, wide.d_kv) == (2, 128)
+    reader = gguf.GGUFReader(str(write_gguf(random_llama(wide, lm32.tokenizer, "float32", 0, "wide"), embedded_gguf(),
+                                            tmp_path / "wide.gguf")))
+    assert reader.fields["llama.rope.dimension_count"].contents() == 128
+    assert reader.fields["llama.attention.head_count"].contents() == 2
 
 
 def _record(name, role, L, d, d_used, beta, alpha, platform, rng, k=1.0):

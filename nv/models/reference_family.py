@@ -44,11 +44,12 @@ class Shape:
 
 
 def shape_from_entry(entry: dict, vocab_size: int, max_positions: int) -> Shape:
-    """A params.yaml family entry {d, L, d_ffn, n_kv_heads}: heads of 64 dimensions."""
-    d = int(entry["d"])
-    if d % HEAD_DIM:
-        raise NVError(f"reference model d={d} must be a multiple of the head size {HEAD_DIM}")
-    return Shape(d, int(entry["L"]), d // HEAD_DIM, int(entry["n_kv_heads"]), int(entry["d_ffn"]), vocab_size, max_positions)
+    """A params.yaml family entry {d, L, d_ffn, n_kv_heads[, head_dim]}: heads of head_dim dimensions (default 64),
+    n_kv_heads of them shared keys and values."""
+    d, head = int(entry["d"]), int(entry.get("head_dim", HEAD_DIM))
+    if d % head:
+        raise NVError(f"reference model d={d} must be a multiple of the head size {head}")
+    return Shape(d, int(entry["L"]), d // head, int(entry["n_kv_heads"]), int(entry["d_ffn"]), vocab_size, max_positions)
 
 
 def random_llama(shape: Shape, tokenizer, dtype: str, seed: int, name: str, device: str = "cpu") -> LoadedModel:

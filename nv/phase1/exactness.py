@@ -51,6 +51,12 @@ def edge_ratio(D_prime, C):
     return D_prime * C / (np.sqrt(D_prime) + np.sqrt(C)) ** 2
 
 
+def noise_edge(sigma_e, D_prime, C, d):
+    """sigma_e (sqrt(D' - d) + sqrt(|C| - 1 - d)): the Marchenko-Pastur edge, the top singular value of i.i.d. noise of
+    scale sigma_e in the row-centred D' x |C| Y outside its d signal directions (row-centring takes one more away)."""
+    return sigma_e * (np.sqrt(D_prime - d) + np.sqrt(C - 1 - d))
+
+
 def first(S: SampledMatrix, D: int) -> SampledMatrix:
     """The first D prompts of S (nested in D, as ``SampledMatrix.subsample`` is in N): a prefix of S's CSR arrays,
     kept as views (a 3,000 x 3·10^5 sample holds several GB) unless it is under half of them, where scipy copies it."""
