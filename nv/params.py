@@ -82,6 +82,9 @@ class Platforms(EachOf):
     names = ("inprocess", "llamacpp")
 
 
+_SHAPE = {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}  # a random-weight reference's shape
+
+
 SCHEMA: dict[str, dict] = {
     "model": {
         "spec": _STR,
@@ -216,9 +219,9 @@ SCHEMA: dict[str, dict] = {
             "d_hat": _D_HAT,
         }),
     },
-    # a random-weight shape (CPU default), or {spec: a hub id / folder / .gguf} of a real model (GPU profile)
-    "timing_family": EachOf({"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}, {"spec": _STR},
-                            {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT, "head_dim": _POS_INT}),
+    # a random-weight shape (CPU default; heads of 64 unless it sets head_dim), or {spec: a hub id / folder / .gguf}
+    # of a real model (GPU profile)
+    "timing_family": EachOf(_SHAPE, {"spec": _STR}, {**_SHAPE, "head_dim": _POS_INT}),
 }
 
 
