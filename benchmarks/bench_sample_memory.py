@@ -1,5 +1,6 @@
 """Peak memory of the phase-1 operations on a large stored sample (issue 13's 12 GB bound; the 1.5B's 3,000 x 10^6
-draws hold 3.9·10^8 entries, 4.65 GB): thinning (``SampledMatrix.subsample``), the common set (Alg. 1 lines 5-7)
+draws hold 3.9·10^8 entries, 4.65 GB): reading it back from its shards (``observed_mask``, ``load_samples`` whole
+and of the common set's columns), thinning (``SampledMatrix.subsample``), the common set (Alg. 1 lines 5-7)
 and the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``).
 
 The sample is synthetic, shaped like a real one: D prompts over |V| = 151,936 tokens, N calls per prompt
@@ -7,25 +8,29 @@ multinomial over a Zipf law on one shared token ranking, log-probs of rank R = 2
 common set is large and the robust estimator saturates and the replay's checks run. Sizes are in units of the
 sample's own arrays (12 bytes per observed entry), above the resident set before each step (the sample itself).
 Bounds: thinning peaks at the thinned copy alone (<= 1.15 x the thinned sample: no nnz-sized draw and keep mask
-beside it); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
+beside it); reading the sample back at <= 1.1 x the sample (arrays filled in place, no list of parts
+concatenated); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
 (one thinned sample at a time beside S; holding a round's draws beside its check, as before issue 13's change,
 took two). Each bound is printed MET or MISSED (machines are noisy); a wrong result
-(thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does not find rank R)
-exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000]
+(a sample read back other than it was written, thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does not find rank R)
+exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 
+from nv.models.loading import release_memory
 from nv.phase1.exactness import adaptive_replay, first
 from nv.phase1.pipeline import common_set
-from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sampling import SampledMatrix, load_samples, observed_mask, save_samples
 
 from _common import GIB, peak_rss, reset_peak_rss, verdict
 
@@ -69,7 +74,10 @@ def size(S: SampledMatrix) -> float:
 
 
 def step(name: str, fn, *args):
-    """Run fn once; print and return (result, seconds, peak GiB above the resident set before it)."""
+    """Run fn once; print and return (result, seconds, peak GiB above the resident set before it). Freed heap is handed
+    back first: glibc would otherwise serve the step from blocks it kept resident (the synthetic sample's build leaves
+    ~1 GiB of them), and the step would read as free."""
+    release_memory()
     reset_peak_rss()
     base = peak_rss()
     t0 = time.perf_counter()
@@ -87,11 +95,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--D", type=int, default=3000)
     ap.add_argument("--N", type=int, default=100_000)
+    ap.add_argument("--work", default=None, help="folder for the shards (default: a temporary one)")
     args = ap.parse_args()
     wrong = []
     S, _, _ = step(f"synthetic sample {args.D} x {args.N:,}", synthetic, args.D, args.N)
     S_gib = size(S)
     print(f"  {S.counts.nnz:,} observed entries, {S_gib:.2f} GiB")
+
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        folder = save_samples(S, Path(tmp) / "samples")
+        mask, _, peak = step("read back: observation mask (observed_mask)", observed_mask, folder)
+        bound("peak / sample", peak / S_gib, 0.5)
+        if not (np.array_equal(mask.indptr, S.counts.indptr) and np.array_equal(mask.indices, S.counts.indices)):
+            wrong.append("observed_mask differs from the sample written")
+        del mask
+        back, _, peak = step("read back: Y_hat whole (load_samples)", load_samples, folder)
+        bound("peak / sample", peak / S_gib, 1.1)
+        if not all(np.array_equal(getattr(back.logprobs, f), getattr(S.logprobs, f)) for f in ("data", "indices", "indptr")) \
+                or not np.array_equal(back.counts.data, S.counts.data):
+            wrong.append("load_samples differs from the sample written")
+        del back
+        columns = np.zeros(VOCAB, dtype=bool)
+        columns[np.flatnonzero(np.asarray((S.counts > 0).sum(axis=0)).ravel() >= 0.9 * S.D)] = True
+        part, _, peak = step(f"read back: {int(columns.sum())} columns (load_samples(columns))", load_samples, folder, columns)
+        bound("peak / sample", peak / S_gib, 1.1)
+        if part.counts.nnz != int(S.counts[:, columns].nnz):
+            wrong.append("load_samples(columns) kept another number of entries than the sample has in those columns")
+        del part
 
     half, _, peak = step("thin to N / 2 (subsample)", S.subsample, args.N // 2, 0)
     bound("peak / thinned sample", peak / size(half), 1.15)

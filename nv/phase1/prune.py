@@ -69,14 +69,17 @@ def greedy_prune(observed, row_weight: float = 1.0) -> Pruned:
     return Pruned(np.flatnonzero(row_obs <= csr.shape[1]), np.flatnonzero(col_obs <= csr.shape[0]))
 
 
-def _column_bitmap(csr, block=1024) -> np.ndarray:
+def _column_bitmap(csr, block=256) -> np.ndarray:
     """The mask packed column-major: bit q of row v (big-endian within bytes) is entry (q, v).
 
     Built from dense blocks of `block` rows (a multiple of 8), packing each group of 8 rows
     into one byte per column with shifts, which avoids a slow scattered CSR -> CSC transpose.
+    One dense buffer of `block` x |V| bytes serves every block (39 MB at |V| = 151,936): larger blocks were slower here
+    (1,024 rows: 3x the time, 2.9x the peak memory, 3,000 x 151,936 at 22,000 entries per row).
     """
     n_rows, n_cols = csr.shape
     bits = np.zeros((n_cols, -(-n_rows // 8)), dtype=np.uint8)
+    dense = np.empty((min(block, -(-n_rows // 8) * 8), n_cols), dtype=bool)
     for start in range(0, n_rows, block):
         stop = min(start + block, n_rows)
         lo, hi = csr.indptr[start], csr.indptr[stop]
@@ -84,9 +87,10 @@ def _column_bitmap(csr, block=1024) -> np.ndarray:
             (np.ones(hi - lo, dtype=bool), csr.indices[lo:hi], csr.indptr[start : stop + 1] - lo),
             shape=(stop - start, n_cols),
         )
-        dense = np.zeros((-(-(stop - start) // 8) * 8, n_cols), dtype=bool)
-        dense[: stop - start] = part.toarray()
-        groups = dense.view(np.uint8).reshape(-1, 8, n_cols)
+        part.toarray(out=dense[: stop - start])
+        rows = -(-(stop - start) // 8) * 8
+        dense[stop - start : rows] = False  # a last block's rows past the matrix pack as zeros
+        groups = dense[:rows].view(np.uint8).reshape(-1, 8, n_cols)
         packed = groups[:, 0] << 7
         for k in range(1, 8):
             packed |= groups[:, k] << (7 - k)

@@ -120,18 +120,21 @@ SHARD_FIELDS = {"indptr", "indices", "counts", "logprobs", "prompt_tokens"}
 MANIFEST_INTS = ("N", "chunk", "D", "vocab_size")
 
 
-def _shard_ok(path: Path, rows: int, vocab_size: int) -> bool:
-    """A whole shard of ``rows`` prompts: every array, row pointers from 0 up to its entries, token ids in the
-    vocabulary (ids past it would reach scipy unchecked)."""
+def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray | None = None) -> int | None:
+    """The entries of a whole shard of ``rows`` prompts (only those of ``columns``, a boolean mask over the vocabulary,
+    where given), or None where it is not whole: every array, row pointers from 0 up to its entries, token ids in the
+    vocabulary (ids past it would reach scipy unchecked). One read of the shard's indices checks and counts."""
     try:
         with np.load(path) as z:
             if not SHARD_FIELDS <= set(z.files):
-                return False
+                return None
             indptr, indices = z["indptr"], z["indices"]
-            return (len(indptr) == rows + 1 and indptr[0] == 0 and bool(np.all(np.diff(indptr) >= 0))
-                    and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size))
+            if not (len(indptr) == rows + 1 and indptr[0] == 0 and bool(np.all(np.diff(indptr) >= 0))
+                    and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size)):
+                return None
     except Exception:  # a torn or corrupt shard is recomputed
-        return False
+        return None
+    return int(indptr[-1]) if columns is None else int(np.count_nonzero(columns[indices]))
 
 
 def collect(
@@ -158,7 +161,7 @@ def collect(
     work.mkdir(parents=True, exist_ok=True)
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     starts = range(0, len(prompts), chunk)
-    todo = [s for s in starts if not _shard_ok(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size)]
+    todo = [s for s in starts if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size) is None]
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
                desc=f"sampling N={N:g}", unit="prompt", disable=not progress)
     for s in todo:
@@ -193,8 +196,9 @@ def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None
     return folder
 
 
-def _shard_paths(folder: Path) -> tuple[dict, list[Path]]:
-    """The manifest and the checked shard paths of a sampling folder."""
+def _shards(folder: Path, columns: np.ndarray | None = None) -> tuple[dict, list[Path], int]:
+    """The manifest, the checked shard paths of a sampling folder and their entries in all (those of ``columns`` only,
+    where given)."""
     try:
         meta = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -203,42 +207,37 @@ def _shard_paths(folder: Path) -> tuple[dict, list[Path]]:
             and isinstance(meta.get("temperature"), (int, float)) and meta["temperature"] > 0):
         raise NVError(f"sampling manifest {folder / MANIFEST} is corrupt (it needs {', '.join(MANIFEST_INTS)} >= 1 and a "
                       "temperature > 0): rerun the sampling stage")
-    paths = []
+    paths, nnz = [], 0
     for s in range(0, meta["D"], meta["chunk"]):
         path = folder / f"shard-{s:07d}.npz"
-        if not _shard_ok(path, min(meta["chunk"], meta["D"] - s), meta["vocab_size"]):
+        entries = _shard_entries(path, min(meta["chunk"], meta["D"] - s), meta["vocab_size"], columns)
+        if entries is None:
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
         paths.append(path)
-    return meta, paths
+        nnz += entries
+    return meta, paths, nnz
 
 
 def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarray | None) -> tuple[dict, dict]:
     """The manifest and Y_hat's CSR arrays (``indptr``, ``prompt_tokens`` and ``fields`` of the shards), filled in place
     shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation).
     ``columns`` (a boolean mask over the vocabulary): only those tokens' entries are kept."""
-    meta, paths = _shard_paths(Path(folder))
-
-    def kept(z) -> np.ndarray | slice:
-        return slice(None) if columns is None else columns[z["indices"]]
-
-    nnz = 0
-    for path in paths:
-        with np.load(path) as z:
-            nnz += int(z["indptr"][-1]) if columns is None else int(np.count_nonzero(kept(z)))
+    meta, paths, nnz = _shards(Path(folder), columns)
     dtypes = {"indices": np.int32, "logprobs": np.float32, "counts": np.int32}
     arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "prompt_tokens": np.empty(meta["D"], dtype=np.int32),
               **{k: np.empty(nnz, dtype=dtypes[k]) for k in fields}}
     row = offset = 0
     for path in paths:
         with np.load(path) as z:
-            keep, indptr = kept(z), z["indptr"]
+            indptr, indices = z["indptr"], z["indices"]  # NpzFile reads an array from the file at every access
+            keep = slice(None) if columns is None else columns[indices]
             rows = len(indptr) - 1
             if columns is not None:  # entries kept per row: a running count of the mask at the row boundaries
                 indptr = np.concatenate([[0], np.cumsum(keep)])[indptr]
             size = int(indptr[-1])
             arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
             for k in fields:
-                arrays[k][offset : offset + size] = z[k][keep]
+                arrays[k][offset : offset + size] = (indices if k == "indices" else z[k])[keep]
             arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
         row, offset = row + rows, offset + size
     return meta, arrays
@@ -254,11 +253,7 @@ def observed_mask(folder: str | Path) -> sp.csr_matrix:
 def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]]:
     """Y_hat of ``folder`` one shard at a time, for work that needs a few of its rows in memory at once: the manifest,
     the number of entries in all, and an iterator of (first row, counts, log-probs) of each shard's rows (CSR)."""
-    meta, paths = _shard_paths(Path(folder))
-    nnz = 0
-    for path in paths:
-        with np.load(path) as z:
-            nnz += int(z["indptr"][-1])
+    meta, paths, nnz = _shards(Path(folder))
 
     def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]:
         row = 0
