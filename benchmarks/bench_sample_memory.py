@@ -9,11 +9,11 @@ common set is large and the robust estimator saturates and the replay's checks r
 sample's own arrays (12 bytes per observed entry), above the resident set before each step (the sample itself).
 Bounds: thinning peaks at the thinned copy alone (<= 1.15 x the thinned sample: no nnz-sized draw and keep mask
 beside it); reading the sample back at <= 1.1 x the sample (arrays filled in place, no list of parts
-concatenated); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
+concatenated), its observation mask at <= 0.5 x (5 bytes per entry of the 12); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
 (one thinned sample at a time beside S; holding a round's draws beside its check, as before issue 13's change,
-took two). Each bound is printed MET or MISSED (machines are noisy); a wrong result
-(a sample read back other than it was written, thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does not find rank R)
-exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
+took two). Each bound is printed MET or MISSED (machines are noisy); a wrong result (a sample read back other
+than it was written, thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does
+not find rank R) exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
 """
 
 from __future__ import annotations
