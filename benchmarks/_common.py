@@ -2,6 +2,8 @@
 
 import resource
 
+from nv.models.reference_family import HEAD_DIM
+
 GIB = 2.0**30
 
 
@@ -28,3 +30,10 @@ def verdict(wrong: list[str]) -> int:
         print(f"WRONG RESULT: {w}")
     print("results: " + ("all correct" if not wrong else f"{len(wrong)} wrong"))
     return 1 if wrong else 0
+
+
+def shape_references(shapes: list[list[int]], head_dim: int = HEAD_DIM) -> dict[str, dict]:
+    """``--shape D L KV FFN`` arguments as random-weight reference entries (``timing_family``'s form), by name."""
+    h = "" if head_dim == HEAD_DIM else f"-h{head_dim}"
+    return {f"s-{d}x{L}-kv{kv}-f{ffn}{h}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn, "head_dim": head_dim}
+            for d, L, kv, ffn in shapes}

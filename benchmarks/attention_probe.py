@@ -32,6 +32,8 @@ from nv.phase2.platforms import TimedModel, platform_oracle, reference_model
 from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, matched_references, measure_cached
 from nv.phase2.protocol import collect_timings
 
+from _common import shape_references
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -85,9 +87,7 @@ def main() -> int:
     if unknown:
         ap.error(f"--references {unknown} not in params.yaml's timing_family")
     references = {name: entry for name, entry in family.items() if args.references is None or name in args.references}
-    h = "" if args.head_dim == HEAD_DIM else f"-h{args.head_dim}"
-    references.update({f"s-{d}x{L}-kv{kv}-f{ffn}{h}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn, "head_dim": args.head_dim}
-                       for d, L, kv, ffn in args.shape})
+    references.update(shape_references(args.shape, args.head_dim))
     for name, entry in references.items():
         results.append(probe(reference_model(name, entry, base, params["seed"]), args.platform, contexts, args, params))
         gc.collect()

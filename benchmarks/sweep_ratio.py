@@ -31,29 +31,25 @@ import numpy as np
 from nv.models.loading import load_model, release_memory, resolve
 from nv.params import load_params
 from nv.phase2.evaluation import evaluate
-from nv.phase2.platforms import TimedModel, platform_oracle, reference_model
+from nv.phase2.platforms import TimedModel, reference_model, time_platform
 from nv.phase2.prefill import calibrate, non_embedding_params
-from nv.phase2.protocol import collect_timings, summarize
+
+from _common import shape_references
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def time_kept(model: TimedModel, r: float, args, params) -> dict:
-    """``model`` timed in process at the kept lengths of its sweep at ratio ``r``: a record as ``time_model`` writes."""
+    """``model`` timed in process at the kept lengths of its sweep at ratio ``r`` (all with --all-lengths): its record."""
     timing = params["timing"]
     lengths = np.sort(model.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:]
     cfg = {**timing["platforms"]["inprocess"], "r": r, "trials": args.trials}
-    run_id = {**model.facts(), "platform": "inprocess", **cfg, "kept_only": not args.all_lengths}
-    checkpoint = Path(args.work) / f"sweep-{model.name}-r{r}.jsonl"
     start = time.perf_counter()
-    with platform_oracle("inprocess", model, cfg["threads"], int(lengths.max()) + 256, params["seed"]) as oracle:
-        rows = collect_timings(oracle, lengths, args.trials, timing["warmups"], params["seed"], checkpoint, run_id, progress=False)
-    stats = summarize(rows, timing["trim"])
-    print(f"r {r:<4} {model.name:<22} ell {int(lengths.min())}-{int(lengths.max())}  T {stats['T'].min():.3f}-{stats['T'].max():.3f} s"
+    record = time_platform(model, "inprocess", cfg, lengths, timing, params["seed"],
+                           Path(args.work) / f"sweep-{model.name}-r{r}.jsonl", progress=False)
+    print(f"r {r:<4} {model.name:<22} ell {int(lengths.min())}-{int(lengths.max())}  T {min(record['T']):.3f}-{max(record['T']):.3f} s"
           f"  ({time.perf_counter() - start:.0f} s)", flush=True)
-    return {**model.facts(), "platform": "inprocess", "r": r, "lengths": lengths.tolist(), "trials": args.trials,
-            "rows": [x.record() for x in rows], "ell": stats["ell"].tolist(), "T": stats["T"].tolist(),
-            "sigma": stats["sigma"].tolist(), "tokens": int(stats["tokens"])}
+    return record
 
 
 def _depth(L_hat: float, L: int) -> str:
@@ -79,9 +75,7 @@ def main() -> int:
     model, timing = params["model"], params["timing"]
     base = load_model("embedded", dtype=model["dtype"], device=model["device"])
     records: dict[float, list[dict]] = {r: [] for r in args.ratios}
-    family = {**params["timing_family"],
-              **{f"s-{d}x{L}-kv{kv}-f{ffn}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn} for d, L, kv, ffn in args.shape}}
-    for name, entry in family.items():
+    for name, entry in {**params["timing_family"], **shape_references(args.shape)}.items():
         ref = reference_model(name, entry, base, params["seed"])
         for r in args.ratios:  # back to back: both ratios see the machine in the same state
             records[r].append(time_kept(ref, r, args, params))

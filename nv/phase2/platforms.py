@@ -129,23 +129,30 @@ def platform_oracle(platform: str, model: TimedModel, threads: int, n_ctx: int, 
         raise NVError(f"unknown timing platform {platform!r}")
 
 
+def time_platform(model: TimedModel, platform: str, cfg: dict, lengths: np.ndarray, timing: dict, seed: int,
+                  checkpoint: Path, progress: bool = True) -> dict:
+    """``model`` timed on ``platform`` (its settings ``cfg``: r, trials, threads) at ``lengths`` with App. D's
+    protocol, resumable from ``checkpoint``: the record (facts, raw trials, App. D summary)."""
+    run_id = {**model.facts(), "platform": platform, **cfg}
+    with platform_oracle(platform, model, cfg["threads"], int(lengths.max()) + 256, seed) as oracle:
+        rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint, run_id, progress)
+    stats = summarize(rows, timing["trim"])
+    return {**model.facts(), "platform": platform, "r": cfg["r"], "lengths": lengths.tolist(), "trials": cfg["trials"],
+            "rows": [r.record() for r in rows],
+            "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),
+            "tokens": int(stats["tokens"])}
+
+
 def time_model(model: TimedModel, timing: dict, seed: int, out_dir: Path, checkpoints: Path, progress: bool = True) -> dict:
-    """Time ``model`` on each of its platforms; write ``<platform>.json`` per platform (facts, raw
-    trials, App. D summary) to ``out_dir`` and return them by platform."""
+    """Time ``model`` on each of its platforms over its App. D sweep; write ``<platform>.json`` per platform
+    (``time_platform``'s record) to ``out_dir`` and return them by platform."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for platform in platforms_of(model, timing):
         cfg = timing["platforms"][platform]
-        lengths = model.lengths(cfg["r"], timing["n_lengths"])
-        run_id = {**model.facts(), "platform": platform, **cfg}
         checkpoint = checkpoints / f"timing-{model.name}-{platform}.jsonl"
-        with platform_oracle(platform, model, cfg["threads"], int(lengths.max()) + 256, seed) as oracle:
-            rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint, run_id, progress)
-        stats = summarize(rows, timing["trim"])
-        record = {**model.facts(), "platform": platform, "r": cfg["r"], "lengths": lengths.tolist(), "trials": cfg["trials"],
-                  "rows": [r.record() for r in rows],
-                  "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),
-                  "tokens": int(stats["tokens"])}
+        record = time_platform(model, platform, cfg, model.lengths(cfg["r"], timing["n_lengths"]), timing, seed, checkpoint,
+                               progress)
         (out_dir / f"{platform}.json").write_text(json.dumps(record, indent=1))
         checkpoint.unlink()
         results[platform] = record
