@@ -1,6 +1,10 @@
-"""What every benchmark shares: the process's peak resident set per step, and the verdict line on wrong results."""
+"""What every benchmark shares: the process's peak resident set per step, the verdict line on wrong results, the
+reference shapes of --shape, and a speed probe of the machine."""
 
 import resource
+import time
+
+import numpy as np
 
 from nv.models.reference_family import HEAD_DIM
 
@@ -37,3 +41,17 @@ def shape_references(shapes: list[list[int]], head_dim: int = HEAD_DIM) -> dict[
     h = "" if head_dim == HEAD_DIM else f"-h{head_dim}"
     return {f"s-{d}x{L}-kv{kv}-f{ffn}{h}": {"d": d, "L": L, "n_kv_heads": kv, "d_ffn": ffn, "head_dim": head_dim}
             for d, L, kv, ffn in shapes}
+
+
+def speed_probe(reps: int = 15) -> float:
+    """Median seconds of one fixed bf16 matmul (1024 x 1024 by 1024 x 4096, a prefill's MLP-sized product) on the
+    current torch threads: the machine's speed at that moment, to tell a timing run's drift from a model's own time."""
+    import torch
+
+    x, w = torch.ones(1024, 1024, dtype=torch.bfloat16), torch.ones(1024, 4096, dtype=torch.bfloat16)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        x @ w
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
