@@ -11,12 +11,15 @@ attention (b L d ell^2 of T ~ b L d ell^2 + c P_ne ell + a, ``nv.phase2.prefill.
 real models use their true d (phase 1's snapped d_hat equals it) and place their sweep by the attacker's default
 ratios, or with --true-sweep by their own (an oracle, for diagnosis). --resweep tries what an attacker could do instead:
 a second sweep placed by the first one's attacker-side per-layer parameter count (``nv.phase2.prefill``: P_ne_hat /
-L_hat = 2 d (d + d_kv + 1.5 d_ffn), the sum Eq. 11 needs), then the fits again on it. Every sweep prints a speed
-probe of the machine before and after it (``_common.speed_probe``). Checkpointed per length under --work: a rerun
-resumes. A measurement, not a speed bound: it wants an otherwise idle machine.
+L_hat = 2 d (d + d_kv + 1.5 d_ffn), the sum Eq. 11 needs), then the fits again on it. --interleave loads every
+model and times all their lengths in one random order (``nv.phase2.protocol.collect_interleaved``): a drift of the
+machine then falls on references and target alike, where one model after another puts it on whichever was timed
+during it. Every sweep prints a speed probe of the machine before and after it (``_common.speed_probe``).
+Checkpointed per length under --work: a rerun resumes. A measurement, not a speed bound: it wants an otherwise idle
+machine.
 
 Run: python benchmarks/sweep_ratio.py [--ratios 0.1 0.3] [--trials 5] [--models embedded qwen2.5-coder-0.5b]
-[--shape D L KV FFN ...] [--all-lengths] [--true-sweep | --resweep] [--work DIR] [--json F]
+[--shape D L KV FFN ...] [--all-lengths] [--true-sweep | --resweep] [--interleave] [--work DIR] [--json F]
 (not in ``make bench``: ~50 minutes here at the defaults, ~25 at --ratios 0.1 --all-lengths with two --shape)
 """
 
@@ -27,6 +30,7 @@ import gc
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +38,8 @@ import numpy as np
 from nv.models.loading import load_model, release_memory, resolve
 from nv.params import load_params
 from nv.phase2.evaluation import evaluate, regime
-from nv.phase2.platforms import TimedModel, reference_model, time_platform
+from nv.phase2.platforms import TimedModel, platform_oracle, reference_model, run_key, time_platform, timing_record
+from nv.phase2.protocol import TimingJob, collect_interleaved
 from nv.phase2.prefill import calibrate, non_embedding_hat, non_embedding_params
 
 from _common import shape_references, speed_probe
@@ -54,6 +59,28 @@ def time_kept(model: TimedModel, r: float, args, params, tag: str = "") -> dict:
     print(f"r {r:<4} {model.name:<22} ell {int(lengths.min())}-{int(lengths.max())}  T {min(record['T']):.3f}-{max(record['T']):.3f} s"
           f"  ({seconds:.0f} s; speed probe {record['speed_probe_ms'][0]:.1f} -> {record['speed_probe_ms'][1]:.1f} ms)", flush=True)
     return record
+
+
+def time_interleaved(models: list[TimedModel], r: float, args, params) -> list[dict]:
+    """``models`` timed in process as ``time_kept`` does, but together: every model's lengths in one seeded random
+    order (``collect_interleaved``), so a drift of the machine falls on references and targets alike. Their records."""
+    timing = params["timing"]
+    cfg = {**timing["platforms"]["inprocess"], "r": r, "trials": args.trials}
+    lengths = [np.sort(m.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:] for m in models]
+    probe, start = speed_probe(), time.perf_counter()
+    with ExitStack() as stack:
+        jobs = [TimingJob(stack.enter_context(platform_oracle("inprocess", m, cfg["threads"], int(ell.max()) + 256,
+                                                              params["seed"])),
+                          ell, Path(args.work) / f"sweep-{m.name}-r{r}-interleaved.jsonl", run_key(m, "inprocess", cfg))
+                for m, ell in zip(models, lengths)]
+        rows = collect_interleaved(jobs, args.trials, timing["warmups"], params["seed"])
+    records = [timing_record(m, "inprocess", cfg, ell, x, timing["trim"]) for m, ell, x in zip(models, lengths, rows)]
+    seconds, probes = time.perf_counter() - start, [1e3 * probe, 1e3 * speed_probe()]
+    for m, ell, x in zip(models, lengths, records):
+        x["speed_probe_ms"] = probes
+        print(f"r {r:<4} {m.name:<22} ell {int(ell.min())}-{int(ell.max())}  T {min(x['T']):.3f}-{max(x['T']):.3f} s", flush=True)
+    print(f"r {r:<4} interleaved: {seconds:.0f} s; speed probe {probes[0]:.1f} -> {probes[1]:.1f} ms", flush=True)
+    return records
 
 
 def replaced(model: TimedModel, record: dict, cal, L_hat: float, discard: int, kv_ratio: float) -> TimedModel:
@@ -108,17 +135,26 @@ def main() -> int:
                          "the attacker's defaults")
     ap.add_argument("--resweep", action="store_true",
                     help="time each real model again, placed by its first sweep's attacker-side per-layer parameter count")
+    ap.add_argument("--interleave", action="store_true",
+                    help="load every model and time all their lengths in one random order (collect_interleaved) instead "
+                         "of one model after another")
     ap.add_argument("--work", default="/tmp/nv-sweep-ratio")
     ap.add_argument("--json", help="write every record and estimate here")
     args = ap.parse_args()
     if args.resweep and args.true_sweep:
         ap.error("--resweep places the sweep from the attacker's data; --true-sweep from the truth: choose one")
+    if args.interleave and args.resweep:
+        ap.error("--resweep times its second sweeps after the first ones: it does not combine with --interleave")
     params = load_params(ROOT / "params.yaml", ["model", "timing", "timing_family"])
     model, timing = params["model"], params["timing"]
     base = load_model("embedded", dtype=model["dtype"], device=model["device"])
     records: dict[float | str, list[dict]] = {r: [] for r in args.ratios}
+    held: list[TimedModel] = []  # --interleave: every model loaded, timed together below
     for name, entry in {**params["timing_family"], **shape_references(args.shape)}.items():
         ref = reference_model(name, entry, base, params["seed"])
+        if args.interleave:
+            held.append(ref)
+            continue
         for r in args.ratios:  # back to back: both ratios see the machine in the same state
             records[r].append(time_kept(ref, r, args, params))
         del ref
@@ -130,6 +166,9 @@ def main() -> int:
         a = lm.arch
         kv, ffn = (a.n_kv_heads / a.n_heads, a.d_ffn / a.d) if args.true_sweep else (timing["kv_ratio"], timing["ffn_ratio"])
         target = TimedModel(spec, "target", lm, a.d, kv * a.d, ffn * a.d, a.max_positions, Path(source) / gguf if gguf else None)
+        if args.interleave:
+            held.append(target)
+            continue
         for r in args.ratios:
             records[r].append(time_kept(target, r, args, params))
         if args.resweep:
@@ -137,6 +176,8 @@ def main() -> int:
         else:
             del lm, target
             release_memory()
+    for r in args.ratios if args.interleave else []:
+        records[r] = time_interleaved(held, r, args, params)
     discard = timing["discard"] if args.all_lengths else 0
     if args.resweep:
         for r in args.ratios:

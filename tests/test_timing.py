@@ -13,7 +13,7 @@ import pytest
 from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.models.reference_family import Shape, random_llama, shape_from_entry, write_gguf
-from nv.phase2.protocol import BASELINE, collect_timings, summarize, timing_prompt
+from nv.phase2.protocol import BASELINE, TimingJob, collect_interleaved, collect_timings, summarize, timing_prompt
 from nv.phase2.evaluation import evaluate, held_out
 from nv.phase2.fit import scaling_relation
 
@@ -75,6 +75,44 @@ def test_interrupted_run_resumes_from_measured_lengths(lm32, tmp_path):
     other = CountingSimulator(lm32)
     collect_timings(other, LENGTHS, 2, 2, 6, checkpoint, RUN, progress=False)  # another seed: starts over
     assert len(other.sent) == 2 + 3 * 2
+
+
+def test_interleaved_models_share_one_random_order_and_resume_apart(lm32, tmp_path):
+    small = random_llama(shape_from_entry({"d": 64, "L": 2, "n_kv_heads": 1, "d_ffn": 128}, lm32.arch.vocab_size, 512),
+                         lm32.tokenizer, "float32", 0, "small")
+    log: list[str] = []
+
+    class Logged(CountingSimulator):
+        def __init__(self, lm, name):
+            super().__init__(lm)
+            self.name = name
+
+        def time_request(self, prompt):
+            log.append(self.name)
+            return super().time_request(prompt)
+
+    lengths = [40, 56, 72, 88, 104, 120]
+
+    def jobs():
+        return [TimingJob(Logged(lm, name), lengths, tmp_path / f"{name}.jsonl", {"model": name})
+                for lm, name in ((lm32, "a"), (small, "b"))]
+
+    first = jobs()
+    rows = collect_interleaved(first, 2, 2, 3, progress=False)
+    timed = log[2 * (2 + 2):]  # after both models' warm-ups and baselines: the lengths, 2 calls each
+    switches = sum(x != y for x, y in zip(timed[::2], timed[2::2]))
+    assert sorted(timed[::2]) == ["a"] * 6 + ["b"] * 6 and switches >= 3  # one order across models, not a then b
+    for job, got in zip(first, rows):
+        assert [r.target for r in got] == [BASELINE, *lengths]
+        alone = collect_timings(CountingSimulator(job.oracle.lm), lengths, 2, 2, 3, tmp_path / "alone.jsonl", job.run_id,
+                                progress=False)
+        assert [r.ell for r in alone] == [r.ell for r in got]  # the same prompts as the model timed alone
+    lines = (tmp_path / "b.jsonl").read_text().splitlines()
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # model b lost its last length
+    log.clear()
+    again = jobs()
+    resumed = collect_interleaved(again, 2, 2, 3, progress=False)
+    assert log == ["b"] * (2 + 2) and [r.ell for r in resumed[0]] == [r.ell for r in rows[0]]
 
 
 def test_bad_timing_requests_are_refused(lm32, tmp_path):

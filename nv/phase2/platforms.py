@@ -21,7 +21,7 @@ from nv.errors import NVError
 from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, load_model, resolve
 from nv.oracle import Oracle, Simulator
 from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
-from nv.phase2.protocol import collect_timings, summarize
+from nv.phase2.protocol import LengthTimings, collect_timings, summarize
 from nv.phase2.fit import sweep_lengths
 
 
@@ -133,10 +133,21 @@ def time_platform(model: TimedModel, platform: str, cfg: dict, lengths: np.ndarr
                   checkpoint: Path, progress: bool = True) -> dict:
     """``model`` timed on ``platform`` (its settings ``cfg``: r, trials, threads) at ``lengths`` with App. D's
     protocol, resumable from ``checkpoint``: the record (facts, raw trials, App. D summary)."""
-    run_id = {**model.facts(), "platform": platform, **cfg}
     with platform_oracle(platform, model, cfg["threads"], int(lengths.max()) + 256, seed) as oracle:
-        rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint, run_id, progress)
-    stats = summarize(rows, timing["trim"])
+        rows = collect_timings(oracle, lengths, cfg["trials"], timing["warmups"], seed, checkpoint,
+                               run_key(model, platform, cfg), progress)
+    return timing_record(model, platform, cfg, lengths, rows, timing["trim"])
+
+
+def run_key(model: TimedModel, platform: str, cfg: dict) -> dict:
+    """What keys a timing checkpoint: the model's facts, the platform and its settings."""
+    return {**model.facts(), "platform": platform, **cfg}
+
+
+def timing_record(model: TimedModel, platform: str, cfg: dict, lengths: np.ndarray, rows: list[LengthTimings],
+                  trim: float) -> dict:
+    """The record of ``model`` timed on ``platform``: its facts, the raw trials and App. D's summary."""
+    stats = summarize(rows, trim)
     return {**model.facts(), "platform": platform, "r": cfg["r"], "lengths": lengths.tolist(), "trials": cfg["trials"],
             "rows": [r.record() for r in rows],
             "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),

@@ -130,6 +130,16 @@ def _resume(path: Path, key: str) -> dict[int, LengthTimings]:
     return done
 
 
+@dataclass
+class TimingJob:
+    """One model's sweep for ``collect_interleaved``: its oracle, target lengths, checkpoint and run key."""
+
+    oracle: Oracle
+    lengths: Sequence[int]
+    checkpoint: Path
+    run_id: dict
+
+
 def collect_timings(
     oracle: Oracle,
     lengths: Sequence[int],
@@ -148,27 +158,54 @@ def collect_timings(
     Returns the baseline first, then the lengths in ascending order. ``measure`` times one length (default: App. D's
     K fresh prompts; the attention probe's ``measure_cached``).
     """
+    return collect_interleaved([TimingJob(oracle, lengths, checkpoint, run_id)], trials, warmups, seed, progress,
+                               measure)[0]
+
+
+def collect_interleaved(
+    jobs: Sequence[TimingJob],
+    trials: int,
+    warmups: int,
+    seed: int,
+    progress: bool = True,
+    measure: Callable[[Oracle, int, int, int, TokenScale], LengthTimings] | None = None,
+) -> list[list[LengthTimings]]:
+    """``collect_timings`` for several models at once: every job's warm-ups and baseline first, then all jobs'
+    lengths in one seeded random order, so a drift of the machine falls on every model alike instead of on
+    whichever was timed during it (the references calibrate the target only as far as they saw the same machine).
+    Per job: the baseline first, then its lengths in ascending order; each job resumes from its own checkpoint.
+    """
     if trials < 2:
         raise NVError(f"timing needs >= 2 trials per length, got {trials}")
-    targets = sorted({int(x) for x in lengths})
-    if not targets or targets[0] <= BASELINE:
-        raise NVError(f"sequence lengths must be > {BASELINE}, got {list(lengths)}")
-    key = hashlib.sha256(json.dumps([run_id, targets, trials, warmups, seed], sort_keys=True).encode()).hexdigest()
-    done = _resume(checkpoint, key)
-    order = [BASELINE] + [targets[i] for i in np.random.default_rng(seed).permutation(len(targets))]
-    todo = [t for t in order if t not in done]
+    targets, done = [], []
+    for job in jobs:
+        t = sorted({int(x) for x in job.lengths})
+        if not t or t[0] <= BASELINE:
+            raise NVError(f"sequence lengths must be > {BASELINE}, got {list(job.lengths)}")
+        key = hashlib.sha256(json.dumps([job.run_id, t, trials, warmups, seed], sort_keys=True).encode()).hexdigest()
+        targets.append(t)
+        done.append(_resume(job.checkpoint, key))
+    pairs = [(j, t) for j, t_j in enumerate(targets) for t in t_j]
+    order = [(j, BASELINE) for j in range(len(jobs))] + [pairs[i] for i in np.random.default_rng(seed).permutation(len(pairs))]
+    todo = [(j, t) for j, t in order if t not in done[j]]
     if todo:
-        scale = warm_up(oracle, warmups, seed, max(targets))
-        bar = tqdm(total=len(todo) * trials, desc=f"timing {run_id.get('model', '')}", disable=not progress, unit="call")
-        with checkpoint.open("a") as journal:
-            for target in todo:
-                row = (measure or _measure)(oracle, target, trials, seed, scale)
-                journal.write(json.dumps(row.record()) + "\n")
-                journal.flush()
-                done[target] = row
+        scales = {j: warm_up(jobs[j].oracle, warmups, seed, max(targets[j])) for j in sorted({j for j, _ in todo})}
+        names = [job.run_id.get("model", "") for job in jobs]
+        desc = f"timing {names[0]}" if len(jobs) == 1 else f"timing {len(jobs)} models"
+        bar = tqdm(total=len(todo) * trials, desc=desc, disable=not progress, unit="call")
+        journals = {j: jobs[j].checkpoint.open("a") for j in scales}
+        try:
+            for j, target in todo:
+                row = (measure or _measure)(jobs[j].oracle, target, trials, seed, scales[j])
+                journals[j].write(json.dumps(row.record()) + "\n")
+                journals[j].flush()
+                done[j][target] = row
                 bar.update(trials)
-        bar.close()
-    return [done[BASELINE]] + [done[t] for t in targets]
+        finally:
+            for journal in journals.values():
+                journal.close()
+            bar.close()
+    return [[d[BASELINE]] + [d[t] for t in t_j] for d, t_j in zip(done, targets)]
 
 
 def summarize(rows: list[LengthTimings], trim: float = 0.1) -> dict[str, np.ndarray]:
