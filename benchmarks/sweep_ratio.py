@@ -47,11 +47,20 @@ from _common import shape_references, speed_probe
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def kept_lengths(model: TimedModel, r: float, args, timing: dict) -> np.ndarray:
+    """The lengths ``model`` is timed at: its sweep's kept ones at ratio ``r`` (all with --all-lengths)."""
+    return np.sort(model.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:]
+
+
+def inprocess_cfg(r: float, args, timing: dict) -> dict:
+    """The in-process platform's settings with ratio ``r`` and --trials."""
+    return {**timing["platforms"]["inprocess"], "r": r, "trials": args.trials}
+
+
 def time_kept(model: TimedModel, r: float, args, params, tag: str = "") -> dict:
-    """``model`` timed in process at the kept lengths of its sweep at ratio ``r`` (all with --all-lengths): its record."""
+    """``model`` timed in process at its ``kept_lengths``: its record."""
     timing = params["timing"]
-    lengths = np.sort(model.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:]
-    cfg = {**timing["platforms"]["inprocess"], "r": r, "trials": args.trials}
+    lengths, cfg = kept_lengths(model, r, args, timing), inprocess_cfg(r, args, timing)
     probe, start = speed_probe(), time.perf_counter()
     record = time_platform(model, "inprocess", cfg, lengths, timing, params["seed"],
                            Path(args.work) / f"sweep-{model.name}-r{r}{tag}.jsonl", progress=False)
@@ -65,8 +74,7 @@ def time_interleaved(models: list[TimedModel], r: float, args, params) -> list[d
     """``models`` timed in process as ``time_kept`` does, but together: every model's lengths in one seeded random
     order (``collect_interleaved``), so a drift of the machine falls on references and targets alike. Their records."""
     timing = params["timing"]
-    cfg = {**timing["platforms"]["inprocess"], "r": r, "trials": args.trials}
-    lengths = [np.sort(m.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:] for m in models]
+    lengths, cfg = [kept_lengths(m, r, args, timing) for m in models], inprocess_cfg(r, args, timing)
     probe, start = speed_probe(), time.perf_counter()
     with ExitStack() as stack:
         jobs = [TimingJob(stack.enter_context(platform_oracle("inprocess", m, cfg["threads"], int(ell.max()) + 256,

@@ -190,8 +190,7 @@ def collect_interleaved(
     todo = [(j, t) for j, t in order if t not in done[j]]
     if todo:
         scales = {j: warm_up(jobs[j].oracle, warmups, seed, max(targets[j])) for j in sorted({j for j, _ in todo})}
-        names = [job.run_id.get("model", "") for job in jobs]
-        desc = f"timing {names[0]}" if len(jobs) == 1 else f"timing {len(jobs)} models"
+        desc = f"timing {jobs[0].run_id.get('model', '')}" if len(jobs) == 1 else f"timing {len(jobs)} models"
         bar = tqdm(total=len(todo) * trials, desc=desc, disable=not progress, unit="call")
         journals = {j: jobs[j].checkpoint.open("a") for j in scales}
         try:
