@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from nv.models.loading import load_model, release_memory, resolve
+from nv.models.loading import load_model, release_memory
 from nv.models.reference_family import HEAD_DIM
 from nv.params import load_params
-from nv.phase2.platforms import TimedModel, platform_oracle, reference_model
+from nv.phase2.platforms import TimedModel, at_true_shape, platform_oracle, reference_model
 from nv.phase2.probe import calibrate_probe, depth_probe, fit_probe, leave_one_out, matched_references, measure_cached
 from nv.phase2.protocol import collect_timings
 
@@ -93,7 +93,6 @@ def main() -> int:
         gc.collect()
     for spec in args.models:
         lm = base if spec == "embedded" else load_model(spec, dtype=model["dtype"], device=model["device"])
-        source, gguf = resolve(spec)
         a = lm.arch
         if args.matched:  # timed next to the target, so both see the machine in the same state
             for name, entry in matched_references(a.d, tuple(args.matched), params["timing"]["kv_ratio"],
@@ -101,8 +100,7 @@ def main() -> int:
                 row = probe(reference_model(name, entry, base, params["seed"]), args.platform, contexts, args, params)
                 results.append({**row, "role": "matched", "for": spec})
                 gc.collect()
-        timed = TimedModel(spec, "target", lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions,
-                           Path(source) / gguf if gguf else None)
+        timed = at_true_shape(spec, "target", lm, spec)
         results.append(probe(timed, args.platform, contexts, args, params))
         del lm, timed
         release_memory()

@@ -31,14 +31,16 @@ import json
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from nv.models.loading import load_model, release_memory, resolve
+from nv.models.loading import load_model, release_memory
 from nv.params import load_params
 from nv.phase2.evaluation import evaluate, regime
-from nv.phase2.platforms import TimedModel, platform_oracle, reference_model, run_key, time_platform, timing_record
+from nv.phase2.platforms import (TimedModel, at_true_shape, platform_oracle, reference_model, run_key, time_platform,
+                                 timing_record)
 from nv.phase2.protocol import TimingJob, collect_interleaved
 from nv.phase2.prefill import calibrate, non_embedding_hat, non_embedding_params
 
@@ -170,10 +172,9 @@ def main() -> int:
     targets: dict[str, TimedModel] = {}
     for spec in args.models:
         lm = base if spec == "embedded" else load_model(spec, dtype=model["dtype"], device=model["device"])
-        source, gguf = resolve(spec)
-        a = lm.arch
-        kv, ffn = (a.n_kv_heads / a.n_heads, a.d_ffn / a.d) if args.true_sweep else (timing["kv_ratio"], timing["ffn_ratio"])
-        target = TimedModel(spec, "target", lm, a.d, kv * a.d, ffn * a.d, a.max_positions, Path(source) / gguf if gguf else None)
+        target = at_true_shape(spec, "target", lm, spec)
+        if not args.true_sweep:  # the attacker's placement: d with the default ratios
+            target = replace(target, d_kv_used=timing["kv_ratio"] * target.d_used, d_ffn_used=timing["ffn_ratio"] * target.d_used)
         if args.interleave:
             held.append(target)
             continue

@@ -16,9 +16,8 @@ from nv.errors import NVError
 from nv.oracle.journal import Journal
 from nv.oracle.http import Budget, HTTPOracle
 from nv.phase1.adaptive import schedule
-from nv.theory.sample_complexity import mu_uniform, required_mean
+from nv.theory.sample_complexity import guaranteed_common_size
 
-DELTA = 0.05
 EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1 lines
 PLAN_SIZES = (512, 1024, 2048, 4096, 8192)  # common-set sizes the pilot's plan lines are for (typical hidden sizes)
 # live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
@@ -30,21 +29,6 @@ def binding(base_url: str, model: str, params: dict) -> dict:
     live = params["live"]
     return {"endpoint": base_url.rstrip("/"), "model": model, "seed": params["seed"], "search": params["search"],
             "sampling": params["sampling"], "live": {k: live[k] for k in REQUEST_KEYS}}
-
-
-def guaranteed_common_size(N: int, D: int, V: int, delta: float = DELTA) -> int:
-    """Largest d with d + sqrt(2 d ln(1/delta)) + 2 ln(1/delta) <= mu(N) (Theorem 1, uniform over V).
-
-    Solved as a quadratic in sqrt(d); 0 when even d = 1 is not guaranteed.
-    """
-    mu, L = float(mu_uniform(N, D, V)), math.log(1 / delta)
-    disc = 4 * mu - 6 * L
-    if disc <= 0:
-        return 0
-    d = int(((math.sqrt(disc) - math.sqrt(2 * L)) / 2) ** 2)
-    while d > 0 and required_mean(d, delta) > mu:
-        d -= 1
-    return d
 
 
 def _cost(params: dict, budget: Budget, N: int) -> dict:

@@ -303,4 +303,24 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
         if name not in raw:
             raise NVError(f"params: missing section '{name}' in {path}")
         out[name] = check_section(name, raw[name])
+    _check_links(out)
     return out
+
+
+def _check_links(params: dict) -> None:
+    """Names one section takes from another, where both were loaded: a validation model's platforms are timing
+    platforms, a platform's listed references are members of the timing family."""
+    platforms = params.get("timing", {}).get("platforms")
+    if platforms is None:
+        return
+    for name, model in params.get("validation", {}).get("models", {}).items():
+        missing = [p for p in model["platforms"] if p not in platforms]
+        if missing:
+            raise NVError(f"params: 'validation.models.{name}.platforms' names '{missing[0]}', which is not in "
+                          f"timing.platforms ({', '.join(platforms)})")
+    family = params.get("timing_family")
+    for name, cfg in platforms.items() if family is not None else ():
+        missing = [] if cfg["references"] == "all" else [r for r in cfg["references"] if r not in family]
+        if missing:
+            raise NVError(f"params: 'timing.platforms.{name}.references' names '{missing[0]}', which is not in "
+                          f"timing_family")

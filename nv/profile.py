@@ -3,8 +3,8 @@
 ``python -m nv.profile apply profiles/paper.yaml [--params params.yaml]`` (what ``make repro PROFILE=paper``
 runs) merges the overrides into params.yaml in place, keeping its comments and layout (ruamel round trip).
 A mapping merges key by key, a list or a scalar replaces the value, and a collection of named entries
-(``timing_family``, ``timing.platforms``: ``EachOf`` in ``nv.params.SCHEMA``) is replaced whole, so a profile
-can name a different reference family. Every other key of the profile must already exist in params.yaml;
+(``timing_family``, ``timing.platforms``, ``validation.models``: ``EachOf`` in ``nv.params.SCHEMA``) is replaced
+whole, so a profile can name a different reference family. Every other key of the profile must already exist in params.yaml;
 the result is validated with ``nv.params.load_params`` before params.yaml is replaced.
 """
 

@@ -1,4 +1,4 @@
-"""The paper's model table (App. D) as data: ``data/models.csv`` tracked by ``data.dvc``."""
+"""The paper's model table (Tab. model-architectures, App. C) as data: ``data/models.csv`` tracked by ``data.dvc``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ COLUMNS = ["model_id", "family", "role", "L", "d", "d_ffn", "n_heads", "n_kv_hea
 
 
 def load_registry(data_dir: str | Path = "data") -> pd.DataFrame:
-    """The 39 models of App. D (32 validation + 7 development), one row each."""
+    """The 39 models of App. C (32 validation + 7 development), one row each."""
     path = Path(data_dir) / "models.csv"
     if not path.is_file():
         raise NVError(f"model registry {path} is missing: run 'dvc pull data.dvc' (or 'make repro')")

@@ -12,8 +12,8 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.adaptive import next_budget, stopped
-from nv.phase1.exactness import (adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio, first, grid,
-                                 noise_edge, outcome, threshold)
+from nv.phase1.exactness import (OUTCOMES, adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio,
+                                 first, grid, noise_edge, outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
@@ -68,7 +68,7 @@ def test_grid_is_nested_and_finds_the_rank(toy):
     assert np.shares_memory(head.counts.data, S.counts.data) and np.shares_memory(head.logprobs.indices, S.logprobs.indices)
     head = first(S, 20)
     assert (head.counts != S.counts[:20]).nnz == 0 and (head.logprobs != S.logprobs[:20]).nnz == 0
-    assert set(table.outcome) <= {"exact", "not saturated", "no estimate", "wrong"}
+    assert set(table.outcome) <= set(OUTCOMES)
 
 
 def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
@@ -79,7 +79,14 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     exact = robust[robust.outcome == "exact"]
     assert not exact.empty and best.loc["robust", "tokens"] == exact.tokens.min()
     assert (robust[robust.N == 60].outcome != "exact").all()  # 60 draws of 300 tokens share no common set of 12
-    assert isinstance(best.loc["robust", "stays_exact"], bool)
+    cheapest = exact[exact.tokens == exact.tokens.min()].iloc[0]
+    dearer = robust[(robust.D >= cheapest.D) & (robust.N >= cheapest.N)]
+    assert best.loc["robust", "stays_exact"] is bool((dearer.outcome == "exact").all())
+    # and a group whose dearer cell is not exact: the cheapest exact point is flagged as a lucky draw
+    flipped = table.copy()
+    flipped.loc[(flipped.method == "robust") & (flipped.D == 80) & (flipped.N == 16_000), "outcome"] = "not saturated"
+    lucky = cheapest_exact(flipped).set_index("method").loc["robust"]
+    assert (lucky.D, lucky.N) != (80, 16_000) and lucky.stays_exact is False
     # a group with no exact cell: no cost, its best lower bound instead
     none = cheapest_exact(table[table.N == 60]).set_index("method")
     assert np.isnan(none.loc["robust", "tokens"]) and none.loc["robust", "best_lower_bound"] == robust[robust.N == 60].lower_bound.max()

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from nv.models.llama_server import free_port
 
 CHROMIUM = Path(os.environ.get("NV_CHROMIUM", "/usr/bin/chromium"))
 # as root, Chromium needs --no-sandbox; the rest keep it off this machine's closed network
@@ -59,12 +60,6 @@ def _missing() -> list[str]:
 def _jupyter() -> str:
     local = Path(sys.executable).with_name("jupyter")
     return str(local) if local.exists() else (shutil.which("jupyter") or "jupyter")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _project(root: Path, dest: Path) -> Path:
@@ -171,7 +166,7 @@ def test_make_lab_runs_the_inspection_notebook_and_a_slider_redraws_it(root, tmp
     project = _project(root, tmp_path / "project")
     before_text, after_text = _expected(project), _expected(project, Z_MAX)
     assert before_text != after_text and "not saturated" in after_text  # the data make the slider matter
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _start_lab(project, tmp_path, port)
     try:

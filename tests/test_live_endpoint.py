@@ -506,8 +506,7 @@ def test_journal_refuses_a_foreign_file_untouched_and_reuses_one_where_nothing_w
 
 def test_dry_run_theory_is_theorem_1_inverted():
     """The dry run's guaranteed |C| is the largest d whose Theorem 1 sample bound the planned N meets."""
-    from nv.live import guaranteed_common_size
-    from nv.theory.sample_complexity import theorem1_samples
+    from nv.theory.sample_complexity import guaranteed_common_size, theorem1_samples
 
     for N, D, V in [(300_000, 3000, 4096), (300_000, 3000, 16384), (5_000, 200, 1024), (4_000, 50, 1024)]:
         d = guaranteed_common_size(N, D, V)

@@ -101,6 +101,7 @@ def test_timing_sections_are_checked(tmp_path, params, edit, message):
 def test_a_reference_model_may_be_a_real_model_spec_or_have_wider_heads(tmp_path, params):
     family = {"smollm2": {"spec": "embedded"}, "h128": {"d": 1536, "L": 16, "n_kv_heads": 2, "d_ffn": 4096, "head_dim": 128}}
     params["timing_family"] = family
+    params["timing"]["platforms"]["llamacpp"]["references"] = ["smollm2"]
     assert load_params(write(tmp_path, params))["timing_family"] == family
 
 
@@ -131,6 +132,12 @@ def test_load_params_refuses_an_unknown_key(tmp_path, params, edit, message):
         (lambda p: p["validation"]["models"]["qwen-0_5b"].update(platforms=["gpu"]),
          "'validation.models.qwen-0_5b.platforms' must be a non-empty list of ('inprocess', 'llamacpp')"),
         (lambda p: p["validation"]["models"]["qwen-0_5b"].pop("spec"), "missing key 'validation.models.qwen-0_5b.spec'"),
+        # names taken from another section: a validation model timed on a platform params does not configure, a
+        # platform's reference the family does not hold (what a profile replacing one collection whole can leave)
+        (lambda p: p["timing"]["platforms"].pop("llamacpp"),
+         "'validation.models.qwen-0_5b.platforms' names 'llamacpp', which is not in timing.platforms (inprocess)"),
+        (lambda p: p["timing_family"].pop("ref-640x20"),
+         "'timing.platforms.llamacpp.references' names 'ref-640x20', which is not in timing_family"),
     ],
 )
 def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, edit, message):

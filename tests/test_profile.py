@@ -39,6 +39,7 @@ def test_paper_profile_gives_valid_params_with_the_paper_values(root, params):
     assert max(p["exactness"]["D_values"]) == 20_000 and max(p["exactness"]["N_values"]) == 1_000_000
     assert p["sample_complexity"]["D_values"] == [5000, 10_000, 20_000] and p["sample_complexity"]["runs"] == 40
     assert p["timing"]["platforms"] == {"inprocess": {"r": 0.6, "trials": 100, "threads": 16, "references": "all"}}
+    assert all(m["platforms"] == ["inprocess"] and m["trials"] == 100 for m in p["validation"]["models"].values())
     assert max(p["overall"]["trials"]) == 100
     # the reference family: the 39 real models of App. D (32 validation + 7 development) by hub id
     registry = load_registry(root / "data")
@@ -51,7 +52,7 @@ def test_paper_profile_gives_valid_params_with_the_paper_values(root, params):
     assert "# Alg. 2 / App. B.1.3 and the robust estimator (default)." in text and "  D: 20000  " in text
     assert set(changed) == {"search.D", "search.rounds", "search.batch_size", "sampling.N", "sweep.budgets",
                             "exactness.D_values", "exactness.N_values", "sample_complexity.D_values", "sample_complexity.runs", "timing.platforms", "overall.trials",
-                            "timing_family"}
+                            "timing_family", "validation.models"}
     assert apply(root / "profiles" / "paper.yaml", params) == [] and params.read_text() == text  # idempotent
 
 
@@ -105,7 +106,7 @@ def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(pa
 def test_cli_reports_the_changed_keys(root, params):
     proc = run_apply(root / "profiles" / "paper.yaml", params)
     assert proc.returncode == 0 and "sampling.N" in proc.stdout
-    assert proc.stdout.startswith(f"{params}: 12 value(s) from {root / 'profiles' / 'paper.yaml'}: search.D")
+    assert proc.stdout.startswith(f"{params}: 13 value(s) from {root / 'profiles' / 'paper.yaml'}: search.D")
 
 
 def test_paper_profile_gives_one_dvc_stage_per_reference_model(root, params, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from nv.errors import NVError
 from nv.theory.sample_complexity import (
     corollary1_samples,
+    empirical_around,
     empirical_samples,
     expected_common_size,
     expected_samples,
@@ -135,6 +136,20 @@ def test_empirical_samples_with_injected_pruning():
     assert empirical_samples(logp, d, grid, runs=40, seed=1, prune=_drop_one).n95 < strict.n95
     with pytest.raises(NVError, match="pruned common set stays below d=12 at the largest grid N=3"):
         empirical_samples(logp, d, grid[:3], runs=5, prune=_strict)
+
+
+def test_empirical_around_places_its_grid_from_the_theory():
+    rng = np.random.default_rng(9)
+    d = 12
+    logp = np.log(_dirichlet(rng, 4, 80, 5.0)).astype(np.float32)
+    n_exp, n_bound = float(expected_samples(logp, d)), tflat_samples(logp, d)[0]
+    emp, step = empirical_around(logp, d, n_exp, n_bound, grid_points=10, runs=10, seed=1)
+    assert n_exp / 5 < emp.per_run.min() and emp.per_run.max() <= max(1.2 * n_exp, 2 * n_bound)
+    assert 1 < step < 1.5  # ten levels over a 6x range: ~1.22 apart, coarser where N is small and rounded
+    # a theory 50x too high: every run reaches d at the first floor (10 n_exp), so the floor comes down tenfold
+    # until no run does, and the runs land where they did on the right grid (within its resolution)
+    high, _ = empirical_around(logp, d, 50 * n_exp, n_bound, grid_points=10, runs=10, seed=1)
+    assert high.per_run.min() < 10 * n_exp and abs(np.log(high.mean / emp.mean)) < np.log(3)
 
 
 @pytest.mark.parametrize(

@@ -33,12 +33,12 @@ HOST = "127.0.0.1"
 
 def _gguf(spec: str) -> Path:
     """The GGUF file of a packaged model name or a .gguf path (llama.cpp serves nothing else)."""
-    from nv.models.loading import resolve
+    from nv.models.loading import gguf_path
 
-    source, gguf = resolve(spec)
-    if gguf is None:
+    path = gguf_path(spec)
+    if path is None:
         raise NVError(f"llama.cpp serves GGUF files: give a .gguf path or a packaged model name, got {spec!r}")
-    return Path(source) / gguf
+    return path
 
 
 def free_port() -> int:

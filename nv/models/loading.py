@@ -93,6 +93,12 @@ def resolve(spec: str) -> tuple[str, str | None]:
     return spec, None  # a Hugging Face hub id
 
 
+def gguf_path(spec: str) -> Path | None:
+    """The GGUF file a model spec names (a packaged model or a .gguf path), None for a folder or hub id."""
+    source, gguf = resolve(spec)
+    return Path(source) / gguf if gguf else None
+
+
 def architecture(model) -> Architecture:
     """d, L, |V|, heads, kv heads, d_ffn, tying and total parameters from the config."""
     cfg = model.config

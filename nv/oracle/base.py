@@ -66,8 +66,10 @@ class TimedCall:
     prompt_tokens: int
 
 
-def check_sampling(n: int, temperature: float) -> None:
+def check_sampling(n: int, temperature: float, prompts: Sequence[str], seeds: Sequence) -> None:
     """One-line errors for an impossible sampling request."""
+    if len(seeds) != len(prompts):
+        raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
     if int(n) != n or n < 1:
         raise NVError(f"number of samples N must be an integer >= 1, got {n}")
     if not temperature > 0:

@@ -251,9 +251,7 @@ class DefendedOracle(Oracle):
         return min(temperature, self.defence.max_temperature or math.inf)
 
     def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
-        check_sampling(n, temperature)
-        if len(seeds) != len(prompts):
-            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        check_sampling(n, temperature, prompts, seeds)
         served = self.served_temperature(temperature)
         if self.defence.truncates and isinstance(self.inner, Simulator):
             raw = self._sample_truncated(prompts, n, served, seeds)

@@ -278,9 +278,7 @@ class HTTPOracle(Oracle):
         Per prompt: the identified tokens, the log-prob of each from its first request (request order),
         and how many calls revealed it (with ``top_logprobs`` > 0 the top entries count as reveals too).
         """
-        check_sampling(n, temperature)
-        if len(seeds) != len(prompts):
-            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        check_sampling(n, temperature, prompts, seeds)
         per = self.n_per_request
         sizes = [min(per, n - j * per) for j in range(math.ceil(n / per))]
         bodies = (self._body(p, temperature, size, request_seed(s, j), logprobs=True)

@@ -105,9 +105,7 @@ class Simulator(Oracle):
     # -- API view ---------------------------------------------------------------------------
 
     def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
-        check_sampling(n, temperature)
-        if len(seeds) != len(prompts):
-            raise NVError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        check_sampling(n, temperature, prompts, seeds)
         out = []
         for batch, batch_seeds in zip(self._batches(prompts), self._batches(seeds)):
             for z, ell, seed in zip(*self._forward(batch, keep=True), batch_seeds):

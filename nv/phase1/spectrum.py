@@ -54,18 +54,25 @@ def gram_eigenvalues(Y) -> np.ndarray:
     return np.clip(np.linalg.eigvalsh(G)[::-1], 0.0, None)
 
 
-def _window_slope(a: np.ndarray, w: int) -> np.ndarray:
-    """Least-squares slope of a over [i-w, i+w], the window truncated at both ends."""
-    n = a.size
+def _window_sums(n: int, w: int):
+    """``sums(v)``: the sums of v over the windows [i-w, i+w] truncated at both ends, and their sizes."""
     i = np.arange(n)
     lo, hi = np.maximum(i - w, 0), np.minimum(i + w, n - 1) + 1
 
-    def window_sum(v):
+    def sums(v):
         c = np.concatenate(([0.0], np.cumsum(v)))
         return c[hi] - c[lo]
 
+    return sums, hi - lo
+
+
+def _window_slope(a: np.ndarray, w: int) -> np.ndarray:
+    """Least-squares slope of a over [i-w, i+w], the window truncated at both ends."""
+    n = a.size
+    window_sum, m = _window_sums(n, w)
+    i = np.arange(n)
     x = i - i.mean()  # centred abscissa keeps the sums well conditioned
-    m, sx, sxx = hi - lo, window_sum(x), window_sum(x * x)
+    sx, sxx = window_sum(x), window_sum(x * x)
     sa, sxa = window_sum(a), window_sum(x * a)
     den = m * sxx - sx * sx
     return np.divide(m * sxa - sx * sa, den, out=np.zeros(n), where=den > 0)
@@ -73,11 +80,8 @@ def _window_slope(a: np.ndarray, w: int) -> np.ndarray:
 
 def _moving_average(v: np.ndarray, w_s: int) -> np.ndarray:
     """Centred moving average of half-window w_s, truncated at both ends."""
-    n = v.size
-    i = np.arange(n)
-    lo, hi = np.maximum(i - w_s, 0), np.minimum(i + w_s, n - 1) + 1
-    c = np.concatenate(([0.0], np.cumsum(v)))
-    return (c[hi] - c[lo]) / (hi - lo)
+    window_sum, m = _window_sums(v.size, w_s)
+    return window_sum(v) / m
 
 
 def paper_from_eigenvalues(

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from nv.errors import NVError
-from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, load_model, resolve
+from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, gguf_path, load_model
 from nv.oracle import Oracle, Simulator
 from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
 from nv.phase2.protocol import LengthTimings, collect_timings, summarize
@@ -59,22 +59,24 @@ def reference_model(name: str, entry: dict, target: LoadedModel, seed: int) -> T
     dtype = str(target.model.dtype).removeprefix("torch.")
     device = target.model.device.type
     if "spec" in entry:
-        lm = load_model(entry["spec"], dtype=dtype, device=device)
-        source, gguf = resolve(entry["spec"])
-        a = lm.arch
-        return TimedModel(name, "reference", lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions,
-                          Path(source) / gguf if gguf else None)
+        return at_true_shape(name, "reference", load_model(entry["spec"], dtype=dtype, device=device), entry["spec"])
     shape = shape_from_entry(entry, target.arch.vocab_size, target.arch.max_positions)
     lm = random_llama(shape, target.tokenizer, dtype, seed, name, device)
     return TimedModel(name, "reference", lm, shape.d, shape.d_kv, shape.d_ffn, shape.max_positions, synthetic=True)
 
 
+def at_true_shape(name: str, role: str, lm: LoadedModel, spec: str) -> TimedModel:
+    """``lm`` (loaded from ``spec``) swept by its own d, d_kv, d_ffn and context: a real reference model, or a
+    target swept by its true ratios (an oracle, for benchmarks)."""
+    a = lm.arch
+    return TimedModel(name, role, lm, a.d, a.n_kv_heads * a.d / a.n_heads, a.d_ffn, a.max_positions, gguf_path(spec))
+
+
 def target_model(model: dict, timing: dict, target: dict, d_hat: int) -> TimedModel:
     """The attacked model: its d_kv and d_ffn are unknown, so its sweep takes d_hat and the default ratios."""
     lm = load_model(model["spec"], dtype=model["dtype"], device=model["device"])
-    source, gguf = resolve(model["spec"])
     return TimedModel(model["spec"], "target", lm, d_hat, timing["kv_ratio"] * d_hat, timing["ffn_ratio"] * d_hat,
-                      target["p_max"], Path(source) / gguf if gguf else None)
+                      target["p_max"], gguf_path(model["spec"]))
 
 
 def platforms_of(model: TimedModel, timing: dict) -> list[str]:

@@ -6,9 +6,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.phase1.exactness import cheapest_exact
+from nv.phase1.exactness import OUTCOMES, cheapest_exact
 
-OUTCOME_COLORS = {"exact": "tab:green", "not saturated": "tab:orange", "no estimate": "0.65", "wrong": "tab:red"}
+OUTCOME_COLORS = dict(zip(OUTCOMES, ("tab:green", "tab:orange", "0.65", "tab:red")))
 
 
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None):

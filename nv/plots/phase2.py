@@ -94,7 +94,7 @@ def errors(table: pd.DataFrame):
     return fig
 
 
-def cross_platform(records: dict[str, list[dict]], table: pd.DataFrame, discard: int):
+def cross_platform(records: dict[str, list[dict]], discard: int):
     """App. B.3.3: the L-unknown relations T ~ gamma ell^2 d + zeta of the reference models on each
     platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))

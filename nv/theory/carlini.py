@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nv.errors import NVError
-from nv.phase1.spectrum import gram_eigenvalues
+from nv.phase1.spectrum import centred_singular_values, gram_eigenvalues
 
 if TYPE_CHECKING:
     from nv.oracle.simulator import Simulator
@@ -67,7 +67,8 @@ def logit_matrix(
 
 
 def singular_values(Q: np.ndarray, centre: bool = True) -> np.ndarray:
-    """sigma_1 >= sigma_2 >= ... of Q (row-centred when ``centre``), over its NaN-free columns.
+    """sigma_1 >= sigma_2 >= ... of Q over its NaN-free columns: row-centred as phase 1's spectrum
+    (nv.phase1.spectrum.centred_singular_values) when ``centre``, else of Q itself.
 
     Computed as sqrt of the float64 Gram eigenvalues (nv.phase1.spectrum.gram_eigenvalues): accurate for
     sigma_i >~ 1e-8 sigma_1, below the noise floor of float32 logits (~6e-8 sigma_1 on the embedded
@@ -75,9 +76,7 @@ def singular_values(Q: np.ndarray, centre: bool = True) -> np.ndarray:
     """
     Q = np.asarray(Q, dtype=np.float64)
     Q = Q[:, ~np.isnan(Q).any(axis=0)]
-    if centre:
-        Q = Q - Q.mean(axis=1, keepdims=True)
-    return np.sqrt(gram_eigenvalues(Q))
+    return centred_singular_values(Q)[0] if centre else np.sqrt(gram_eigenvalues(Q))
 
 
 def largest_gap(sigma: np.ndarray) -> int:

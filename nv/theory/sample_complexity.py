@@ -68,6 +68,21 @@ def theorem1_samples(d: float, D: int, V: int, delta: float = 0.05) -> int:
     return corollary1_samples(d, D, V, 1.0 / V, delta)
 
 
+def guaranteed_common_size(N: int, D: int, V: int, delta: float = 0.05) -> int:
+    """Largest d with d + sqrt(2 d ln(1/delta)) + 2 ln(1/delta) <= mu(N) (Theorem 1, uniform over V).
+
+    Solved as a quadratic in sqrt(d); 0 when even d = 1 is not guaranteed.
+    """
+    mu, L = float(mu_uniform(N, D, V)), math.log(1 / delta)
+    disc = 4 * mu - 6 * L
+    if disc <= 0:
+        return 0
+    d = int(((math.sqrt(disc) - math.sqrt(2 * L)) / 2) ** 2)
+    while d > 0 and required_mean(d, delta) > mu:
+        d -= 1
+    return d
+
+
 def _log_mean_lower(N: float, D: int, V_sub: int, t: float) -> float:
     """log of |V'| (1 - (1 - t)^N)^D, the lower bound on mu' in Corollary 1's proof."""
     return math.log(V_sub) + D * float(_log1mexp(N * math.log1p(-t)))
@@ -258,6 +273,26 @@ def empirical_samples(
     per_run = np.array([grid[_first_level(logp, d, grid, rng, prune)] for rng in rngs], dtype=np.float64)
     mean, sd = float(per_run.mean()), float(per_run.std(ddof=1))
     return EmpiricalN(mean + 1.645 * sd, mean, sd, per_run)
+
+
+def empirical_around(
+    logp: np.ndarray, d: int, n_expected: float, n_bound: float, grid_points: int, runs: int = 40, seed: int = 0
+) -> tuple[EmpiricalN, float]:
+    """``empirical_samples`` on a grid placed from the theory (Fig. expected-N-vs-D), and the grid's resolution.
+
+    The grid is ``grid_points`` geometric levels on [n_expected / 5, 1.2 n_expected] plus a safety level at
+    2 n_bound (Corollary 1's N): the pruned common set contains the strict one, so each run's N is at most the
+    strict N (~ n_expected); the floor is lowered tenfold while some run already reaches d there. The
+    resolution is the largest ratio between a run's level and the level below it (1 at the grid's floor).
+    """
+    lo = n_expected / 5
+    while True:
+        grid = np.unique(np.r_[np.geomspace(lo, 1.2 * n_expected, grid_points), 2 * n_bound].astype(np.int64))
+        emp = empirical_samples(logp, d, grid, runs=runs, seed=seed)
+        if emp.per_run.min() > grid[0] or grid[0] == 1:
+            level = np.searchsorted(grid, emp.per_run)
+            return emp, float(max(grid[k] / grid[k - 1] if k else 1.0 for k in level))
+        lo = max(1.0, lo / 10)
 
 
 def _first_seen(logp: np.ndarray, grid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
