@@ -52,9 +52,20 @@ def defence_overrides(section: dict, pairs: list[str]) -> dict:
     return section
 
 
+# options of a live endpoint (its budget, journal, plan) and of its phase 2 (timing), by argparse dest
+LIVE_ONLY = ("model", "journal", "budget_tokens", "budget_calls", "budget_money", "price_per_mtok", "dry_run", "pilot",
+             "timing_calibration", "timing_k", "vocab_size", "context_length", "timing_d_hat")
+TIMING_DEFAULTS = {"timing_k": 1.0, "context_length": 8192}
+
+
 def attack(args: argparse.Namespace) -> int:
     if (args.simulate is None) == (args.base_url is None):
         raise NVError("give exactly one target: --simulate MODEL or --base-url URL --model NAME")
+    if args.simulate is not None:
+        given = ["--" + dest.replace("_", "-") for dest in LIVE_ONLY if getattr(args, dest) not in (None, False)]
+        if given:
+            raise NVError(f"{', '.join(given)}: {'applies' if len(given) == 1 else 'apply'} to --base-url only "
+                          "(a simulated attack pays nothing and times nothing)")
     if args.base_url is not None:
         if args.defence:
             raise NVError("--defence applies to --simulate only (a live endpoint's defences are its provider's)")
@@ -66,6 +77,11 @@ def attack(args: argparse.Namespace) -> int:
     from nv.oracle import Simulator
     from nv.oracle.defence import Defence, DefendedOracle
     from nv.phase1.pipeline import run
+
+    if args.quiet:  # transformers' own bars (loading the weights) too
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
     defence = Defence(**overrides)
     model = {**params["model"], "spec": args.simulate}
@@ -87,23 +103,29 @@ def attack_live(args: argparse.Namespace) -> int:
         raise NVError("--budget-money needs --price-per-mtok (the price of a million billed tokens)")
     if args.pilot and not args.dry_run:
         raise NVError("--pilot goes with --dry-run (it plans a run, it does not start one)")
+    timing_given = [f"--{d.replace('_', '-')}" for d in ("timing_k", "vocab_size", "context_length", "timing_d_hat")
+                    if getattr(args, d) is not None]
+    if timing_given and not args.timing_calibration:
+        raise NVError(f"{', '.join(timing_given)}: phase 2's options, they need --timing-calibration FILE")
+    for dest, value in TIMING_DEFAULTS.items():
+        setattr(args, dest, value if getattr(args, dest) is None else getattr(args, dest))
     params = load_params(args.params, PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
     from nv import live  # after the input is checked (see attack)
     from nv.oracle.http import Budget
 
-    budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
-    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
-    if args.dry_run:
-        print(live.format_plan(plan, params, args.model, args.base_url))
-        live.check_budget(plan, budget)
-        print(json.dumps(plan))
-        return 0
     timing = None
     if args.timing_calibration:
         from nv.phase2.live import load_calibration
 
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
+    budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
+    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
+    if args.dry_run:
+        print(live.format_plan(plan, params, args.model, args.base_url, timing and timing["calibration"]))
+        live.check_budget(plan, budget)
+        print(json.dumps(plan))
+        return 0
     out = _writable(Path(args.out))
     journal = Path(args.journal) if args.journal else out / "journal.jsonl"
     record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
@@ -130,6 +152,13 @@ def _count(text: str) -> int:
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
     return int(value)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _amount(text: str) -> float:
@@ -161,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     phase2 = p.add_argument_group("phase 2, timing (with --base-url)")
     phase2.add_argument("--timing-calibration", metavar="FILE",
                         help="outputs/timing_fit/calibration.json: after phase 1, time the endpoint and report L_hat (and P_hat)")
-    phase2.add_argument("--timing-k", type=float, default=1.0, metavar="K",
+    phase2.add_argument("--timing-k", type=_positive, metavar="K",
                         help="platform transfer factor k of Eq. 8 (default 1: the endpoint runs on the calibration's platform)")
     phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (Eq. 3)")
-    phase2.add_argument("--context-length", type=_count, default=8192, metavar="P", help="the endpoint's context p_max (sweep cap)")
+    phase2.add_argument("--context-length", type=_count, metavar="P", help="the endpoint's context p_max (sweep cap; default 8192)")
     phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
     p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="with --simulate: switch on a provider defence (params.yaml section defence), e.g. round_decimals=1")

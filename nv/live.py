@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nv.errors import NVError
 from nv.oracle.journal import Journal
-from nv.oracle.http import Budget, HTTPOracle
+from nv.oracle.http import Budget, HTTPOracle, split_credentials
 from nv.phase1.adaptive import schedule
 from nv.theory.sample_complexity import guaranteed_common_size
 
@@ -22,6 +22,10 @@ EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1
 PLAN_SIZES = (512, 1024, 2048, 4096, 8192)  # common-set sizes the pilot's plan lines are for (typical hidden sizes)
 # live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
 REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns")
+# binding paths a rerun may change and keep its journal: how many samples and how they are stored, not what a request
+# asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
+# every paid reply, and the journal's cost stays everything paid through it
+UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:
@@ -38,15 +42,20 @@ def _cost(params: dict, budget: Budget, N: int) -> dict:
     search_calls = search["rounds"] * search["batch_size"]
     sample_calls, sample_requests = search["D"] * N, search["D"] * math.ceil(N / n)
     billed = (ell + max(2, n)) + (ell + 1) + search_calls * (ell + 1) + sample_requests * ell + sample_calls
-    return {"N": N, "sampling_calls": sample_calls, "requests": 2 + search_calls + sample_requests,
-            "tokens_paper": (ell + 1) * (search_calls + sample_calls), "tokens_billed": billed, "money": budget.money_of(billed)}
+    requests = 2 + search_calls + sample_requests
+    # the least time the endpoint's rate limits allow (live.rpm, live.tpm; None without either: its speed decides)
+    paced = [requests / live["rpm"] if live["rpm"] else 0.0, billed / live["tpm"] if live["tpm"] else 0.0]
+    return {"N": N, "sampling_calls": sample_calls, "requests": requests,
+            "tokens_paper": (ell + 1) * (search_calls + sample_calls), "tokens_billed": billed, "money": budget.money_of(billed),
+            "minutes_at_rate_limits": max(paced) if any(paced) else None}
 
 
 def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
 
     Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
-    Prompt tokens per call are unknown before the first reply: ``live.prompt_tokens`` estimates them.
+    Prompt tokens per call are unknown before the first reply: ``live.prompt_tokens`` estimates them (a pilot's
+    replies measured them).
     Tokens (§5): (prompt + 1) per call. Billed: prompt tokens once per request, n samples per
     request as ``live.n_per_request`` asks (if the server turns out not to honour n, the budget cap
     still stops the run in time). Theory: Theorem 1's guaranteed common-set size for the planned D
@@ -55,7 +64,19 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     samples folder of an earlier, small run on the same endpoint): the N, and its cost, at which the planner
     (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens.
     """
-    search, sampling, live = params["search"], params["sampling"], params["live"]
+    search, sampling = params["search"], params["sampling"]
+    drawn = None
+    if pilot is not None:
+        from nv.phase1.sampling import MANIFEST, load_samples
+
+        if not (pilot / MANIFEST).is_file() and (pilot / "samples" / MANIFEST).is_file():
+            raise NVError(f"--pilot {pilot} is an attack's output folder: give its draws, {pilot / 'samples'}")
+        drawn = load_samples(pilot)
+        if drawn.temperature != sampling["temperature"]:
+            raise NVError(f"the pilot in {pilot} was sampled at tau = {drawn.temperature:g}, the plan is for tau = "
+                          f"{sampling['temperature']:g}: a pilot predicts only its own temperature")
+        # the pilot's replies measured the prompt tokens per call (system prompt, template, input) on this endpoint
+        params = {**params, "live": {**params["live"], "prompt_tokens": max(1, round(float(drawn.prompt_tokens.mean())))}}
     adaptive = sampling["N"] == "auto"
     rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
     N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
@@ -65,17 +86,13 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
         "adaptive": adaptive,
         "rounds": [_cost(params, budget, r) for r in rounds],
         "search_calls": search["rounds"] * search["batch_size"],
-        "prompt_tokens_per_call": live["prompt_tokens"],
+        "prompt_tokens_per_call": params["live"]["prompt_tokens"],
+        "prompt_tokens_from": "estimate: live.prompt_tokens" if drawn is None else "measured by the pilot",
         "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
     }
-    if pilot is not None:
+    if drawn is not None:
         from nv.phase1.planner import fit
-        from nv.phase1.sampling import load_samples
 
-        drawn = load_samples(pilot)
-        if drawn.temperature != sampling["temperature"]:
-            raise NVError(f"the pilot in {pilot} was sampled at tau = {drawn.temperature:g}, the plan is for tau = "
-                          f"{sampling['temperature']:g}: a pilot predicts only its own temperature")
         tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
         out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0,
@@ -83,7 +100,8 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     return out
 
 
-def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
+def format_plan(p: dict, params: dict, model: str, base_url: str, calibration: dict | None = None) -> str:
+    """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with a calibration."""
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
     adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
@@ -92,16 +110,31 @@ def format_plan(p: dict, params: dict, model: str, base_url: str) -> str:
                 + "\n                    (the caps above are for N_max; a budget cap ends the run after its last affordable round)"
                 ) if p["adaptive"] else ""
     return (
-        f"plan for phase 1 against {model} at {base_url} (nothing sent):\n"
+        f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent):\n"
         f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
         f"  sampling          D = {s['D']:,} prompts x N = {p['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}{adaptive}\n"
-        f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} samples per request where n is honoured)\n"
-        f"  tokens (§5)       {p['tokens_paper']:,} = (prompt + 1) x calls, prompt ~ {p['prompt_tokens_per_call']} tokens (estimate)\n"
+        f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} sample{'s' * (live['n_per_request'] > 1)} "
+        "per request where n is honoured)\n"
+        f"  tokens (§5)       {p['tokens_paper']:,} = (prompt + 1) x calls, prompt ~ {p['prompt_tokens_per_call']} tokens ({p['prompt_tokens_from']})\n"
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
+        f"  time              {_duration(p['minutes_at_rate_limits'], live)}\n"
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
+        + ("" if calibration is None else
+           f"\n  phase 2 (timing)  after phase 1: {calibration['warmups']} warm-ups, the ell = 1 baseline and "
+           f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
+           "placed from phase 1's d_hat), one output token each; not in the totals above")
     )
+
+
+def _duration(minutes: float | None, live: dict) -> str:
+    """The plan's time line: the least time the rate limits allow, or why there is none."""
+    if minutes is None:
+        return "the endpoint's speed decides (no live.rpm / live.tpm set); the progress bars show the rate and the ETA"
+    span = (f"{minutes:.3g} min" if minutes < 120 else f"{minutes / 60:.3g} h" if minutes < 2880 else
+            f"{minutes / 1440:.3g} days" if minutes < 525_600 else f"{minutes / 525_600:.3g} years")
+    return f"at least {span} at live.rpm = {live['rpm']:g}, live.tpm = {live['tpm']:g}"
 
 
 def _format_pilot(p: dict, money_given: bool) -> str:
@@ -137,7 +170,7 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
     from nv.phase1.pipeline import run
     from nv.phase1.sampling import load_samples
 
-    journal = Journal(journal_path, binding(base_url, model, params))
+    journal = Journal(journal_path, binding(split_credentials(base_url)[0], model, params), UNBOUND)
     oracle = HTTPOracle.from_params(base_url, model, params["live"], journal, budget, progress)
     try:
         oracle.preflight()

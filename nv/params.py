@@ -33,8 +33,8 @@ _PROB: Check = ((int, float), lambda v: 0 < v < 1, "in (0, 1)")
 _OPT_POS_INT: Check = ((int, type(None)), lambda v: v is None or v >= 1, ">= 1 or null")
 _BUDGETS: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
                    "a non-empty list of ints >= 1")
-_TEMPERATURES: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                                                          for x in v), "a non-empty list of numbers > 0")
+_TEMPERATURES: Check = (list, lambda v: len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                          and 0 < x < math.inf for x in v), "a non-empty list of finite numbers > 0")
 
 _FRACTION: Check = ((int, float), lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 _D_HAT: Check = ((str, int), lambda v: v == "phase1" or (isinstance(v, int) and v >= 1), "'phase1' or an int >= 1")
@@ -266,6 +266,8 @@ def _check(name: str, section: dict, schema: dict) -> dict:
             raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")
         if not isinstance(value, types):
             raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf and .nan: no setting means them
+            raise NVError(f"params: '{name}.{key}' must be a finite number, got {value!r}")
         if ok is not None and not ok(value):
             raise NVError(f"params: '{name}.{key}' must be {rule}, got {value!r}")
     return section
@@ -276,6 +278,26 @@ def _type_name(types) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column, 1-based)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+
+
 def load_params(path: str | Path = "params.yaml", sections: list[str] | None = None) -> dict:
     """Read ``path``; validate and return the requested sections (all when None).
 
@@ -283,13 +305,13 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise NVError(f"params file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:  # a folder, unreadable, not text
         raise NVError(f"params file {path} cannot be read: {exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") from None
     except yaml.YAMLError as exc:
-        raise NVError(f"params file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise NVError(f"params file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise NVError(f"params file {path} must be a mapping of sections")
     seed = raw.get("seed")

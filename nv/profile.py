@@ -19,7 +19,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from nv.errors import NVError, run_main
-from nv.params import SCHEMA, EachOf, load_params
+from nv.params import SCHEMA, EachOf, load_params, yaml_problem
 
 
 def _yaml() -> YAML:
@@ -37,7 +37,7 @@ def _read(path: Path):
     except FileNotFoundError:
         raise NVError(f"file not found: {path}") from None
     except YAMLError as exc:
-        raise NVError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise NVError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
 
 
 def merge(base: dict, over: dict, schema, path: str = "") -> list[str]:

@@ -7,6 +7,7 @@ The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numb
 - ``"429"``: answers 429 with ``Retry-After: <retry_after>`` (default "0"), not forwarded;
 - ``"500"``: answers 500 (``Retry-After: 0``), not forwarded;
 - ``"400"``: answers 400 Bad Request with an error message, not forwarded (a client error: never retried);
+- ``"501"``: answers 501 with an HTML error page, as ``python -m http.server`` does to a POST (final: never retried);
 - ``"timeout"``: never answers; the connection is dropped after ``hold`` seconds (past the client's timeout);
 - ``"truncate"``: forwarded (so paid), then answered 200 with the first half of the JSON body;
 - ``"reset"``: the connection is dropped with a TCP reset, not forwarded.
@@ -16,8 +17,8 @@ every forwarded reply (a server without log-prob support); ``mode="n"`` gives th
 ``n`` it ignores: a POST asking for n > 1 choices becomes n upstream requests (seeds seed * 1000 + i)
 merged into one reply of n choices, prompt tokens counted once (as vLLM bills one prefill). ``posts`` counts POSTs received and
 ``forwarded`` lists, in order, the JSON bodies of the POSTs the upstream server answered with 200 (paid);
-``post_log`` lists (arrival time.monotonic(), path, fault or None) of every POST received; ``in_flight`` counts
-requests being answered.
+``post_log`` lists (arrival time.monotonic(), path, fault or None) of every POST received; ``authorizations`` the
+Authorization header of every request (None without one); ``in_flight`` counts requests being answered.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import time
 
 import httpx
 
-FAULTS = ("400", "429", "500", "timeout", "truncate", "reset")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
+FAULTS = ("400", "429", "500", "501", "timeout", "truncate", "reset")
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+           501: "Not Implemented"}
 
 
 class FaultProxy:
@@ -49,6 +51,7 @@ class FaultProxy:
         self.posts = 0
         self.post_log: list[tuple[float, str, str | None]] = []
         self.forwarded: list[dict] = []
+        self.authorizations: list[str | None] = []
         self.in_flight = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -94,8 +97,10 @@ class FaultProxy:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 method, path, _ = head.split(b"\r\n", 1)[0].decode().split(" ", 2)
-                headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if ": " in line)
-                length = int({k.lower(): v for k, v in headers.items()}.get("content-length", 0))
+                headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head.decode().split("\r\n")[1:]
+                                                     if ": " in line)}
+                length = int(headers.get("content-length", 0))
+                self.authorizations.append(headers.get("authorization"))
                 body = await reader.readexactly(length) if length else b""
                 self.in_flight += 1
                 try:
@@ -121,6 +126,10 @@ class FaultProxy:
             return await self._send(writer, int(fault), b'{"error": {"message": "injected"}}', extra=f"Retry-After: {wait}\r\n")
         if fault == "400":
             return await self._send(writer, 400, b'{"error": {"message": "injected: bad request"}}')
+        if fault == "501":  # python -m http.server's answer to a POST
+            return await self._send(writer, 501, b"<!DOCTYPE HTML>\n<html><head><title>Error response</title></head>"
+                                    b"<body><h1>Error response</h1><p>Error code: 501</p><p>Message: Unsupported method "
+                                    b"(&#x27;POST&#x27;).</p></body></html>\n", "text/html;charset=utf-8")
         if fault == "timeout":
             await asyncio.sleep(self.hold)
             writer.close()

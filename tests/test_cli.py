@@ -47,9 +47,13 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     planned = ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--params", str(params), "--dry-run"]
     dry = subprocess.run(NV + planned + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    pilot = json.loads(dry.stdout.strip().splitlines()[-1])["pilot"]
+    planned_json = json.loads(dry.stdout.strip().splitlines()[-1])
+    pilot = planned_json["pilot"]
     assert (pilot["D0"], pilot["N0"]) == (40, 5000) and "planner (pilot)" in dry.stdout
-    tail = fit(load_samples(out / "samples"), 3)
+    drawn = load_samples(out / "samples")  # its replies measured the prompt tokens per call: the plan's costs use them
+    assert planned_json["prompt_tokens_per_call"] == round(float(drawn.prompt_tokens.mean())) != 45
+    assert f"prompt ~ {planned_json['prompt_tokens_per_call']} tokens (measured by the pilot)" in dry.stdout
+    tail = fit(drawn, 3)
     for size, cost in pilot["common_set"].items():
         N = tail.samples_for(int(size), 40, N_max=1e8)  # the plan is for the params' D = 40 prompts
         assert (cost is None) == (N is None) and (cost is None or cost["N"] == math.ceil(N)), (size, cost, N)
@@ -59,6 +63,8 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     assert alone.returncode == 2 and alone.stderr.strip() == "error: --pilot goes with --dry-run (it plans a run, it does not start one)"
     missing = subprocess.run(NV + planned + ["--pilot", str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no sampling manifest in" in missing.stderr and "Traceback" not in missing.stderr
+    whole = subprocess.run(NV + planned + ["--pilot", str(out)], capture_output=True, text=True, timeout=300)
+    assert whole.stderr.strip() == f"error: --pilot {out} is an attack's output folder: give its draws, {out / 'samples'}"
     colder = yaml.safe_load(params.read_text())
     colder["sampling"]["temperature"] = 1.0
     (tmp_path / "colder.yaml").write_text(yaml.safe_dump(colder, allow_unicode=True, sort_keys=False))
@@ -85,6 +91,8 @@ def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, 
 
 def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
     params = write_tiny_params(root, tmp_path)
+    folder_gguf = tmp_path / "model.gguf"
+    folder_gguf.mkdir()
     cases = [
         (["--simulate", "embedded", "--params", str(params), "--out", "/proc/nv-out"], "not writable"),
         (["--simulate", "/no/such/model.gguf", "--params", str(params), "--out", str(tmp_path / "o")], "GGUF file not found"),
@@ -97,6 +105,16 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
          "must not carry a query or fragment"),
         (["--base-url", "http://127.0.0.1:70000/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "p")],
          "the port must be a number in 1-65535"),
+        (["--base-url", "http://", "--model", "x", "--params", str(params), "--out", str(tmp_path / "h")], "names no host"),
+        (["--simulate", str(tmp_path), "--params", str(params)], "has no config.json"),
+        (["--simulate", str(folder_gguf), "--params", str(params)], "is a folder, not a GGUF file"),
+        # options of a live endpoint given to a simulated attack, or phase 2's without its calibration: refused before
+        # anything is loaded (a --dry-run of a simulation used to start the whole attack)
+        (["--simulate", "embedded", "--dry-run", "--budget-tokens", "1000", "--params", str(params)],
+         "--budget-tokens, --dry-run: apply to --base-url only"),
+        (["--simulate", "embedded", "--journal", "j.jsonl", "--params", str(params)], "--journal: applies to --base-url only"),
+        (["--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--timing-k", "2", "--params", str(params), "--dry-run"],
+         "--timing-k: phase 2's options, they need --timing-calibration FILE"),
     ]
     for args, message in cases:
         proc = subprocess.run(NV + ["attack", *args], capture_output=True, text=True, timeout=300)
@@ -106,6 +124,10 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
     proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "inf"],
                           capture_output=True, text=True, timeout=300)  # argparse's own usage line, then the reason
     assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a whole number >= 0, got inf") and "Traceback" not in proc.stderr
+    for k in ("0", "nan", "-1"):  # read with the arguments, not after phase 1 has paid for its calls
+        proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--timing-k", k],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(f"must be a finite number > 0, got {k}"), proc.stderr
 
 
 def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):

@@ -149,6 +149,10 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
     path.write_text(json.dumps({**cal, "beta": -1.0}))
     with pytest.raises(NVError, match="has beta = -1.0: its reference fit failed"):
         load_calibration(path)
+    for key, value in (("beta", "abc"), ("trials", 2.5), ("alpha", None), ("r", True)):  # hand-edited: one line, no TypeError
+        path.write_text(json.dumps({**cal, key: value}))
+        with pytest.raises(NVError, match=f"{key} = {value!r} is not a finite number of the right kind"):
+            load_calibration(path)
 
 
 # -- nv.overall --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ kill -9 change nothing in the result, nothing completed is paid twice, bad input
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
@@ -197,19 +198,28 @@ def test_completions_path_sends_the_raw_prompt(server, lm32):
     assert all(abs(g.logprobs[0] - y[q].max()) < 0.3 for q, g in enumerate(greedy))
 
 
-def test_client_errors_are_not_retried_and_server_errors_are(server):
-    """A 4xx other than 429 is the client's fault: one line, no retry, nothing paid; a 500 is retried."""
+def test_client_errors_are_not_retried_and_server_errors_are(server, capsys):
+    """A 4xx other than 408/425/429, or a 501 (a server that does not implement the call), is final: one line
+    (an HTML error page reduced to its words), no retry, nothing paid; a 500 is retried, and said so on stderr
+    unless the run is quiet."""
     from nv.oracle.http import Limits
 
     limits = Limits(retries=3, backoff=0.01)
-    with FaultProxy(server.base_url, {0: "400"}) as proxy, HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
-        with pytest.raises(NVError, match=r"chat/completions refused the request: HTTP 400 injected: bad request$"):
-            oracle.argmax(["Hello"])
-        assert proxy.posts == 1 and oracle.stats["retries"] == 0 and not proxy.forwarded
-        assert oracle.journal.requests == 0 and oracle.cost.calls == 0
-    with FaultProxy(server.base_url, {0: "500"}) as proxy, HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
-        (reply,) = oracle.argmax(["Hello"])
-        assert proxy.posts == 2 and oracle.stats["retries"] == 1 and len(proxy.forwarded) == 1 and reply.prompt_tokens > 0
+    for fault, message in (("400", r"refused the request: HTTP 400 injected: bad request$"),
+                           ("501", r"refused the request: HTTP 501 Error response Error response Error code: 501 Message: "
+                                   r"Unsupported method \('POST'\)\.$")):
+        with FaultProxy(server.base_url, {0: fault}) as proxy, HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
+            with pytest.raises(NVError, match=r"chat/completions " + message):
+                oracle.argmax(["Hello"])
+            assert proxy.posts == 1 and oracle.stats["retries"] == 0 and not proxy.forwarded
+            assert oracle.journal.requests == 0 and oracle.cost.calls == 0
+    for progress in (False, True):
+        with FaultProxy(server.base_url, {0: "500"}) as proxy, \
+                HTTPOracle(proxy.url, server.model_name, limits=limits, progress=progress) as oracle:
+            (reply,) = oracle.argmax(["Hello"])
+            assert proxy.posts == 2 and oracle.stats["retries"] == 1 and len(proxy.forwarded) == 1 and reply.prompt_tokens > 0
+        err = capsys.readouterr().err
+        assert ("chat/completions: HTTP 500 injected; retry 1 of 3 in " in err) is progress, err
 
 
 # The upper bounds leave the loaded machine's latency room (0.5 s and 2.0 s were passed under `make test`'s two
@@ -235,7 +245,8 @@ def test_call_and_money_caps_stop_the_run_before_they_are_passed(server):
     """At run time (no plan involved: the oracle itself), each request's cost is reserved before it is sent, so with
     8 requests in flight at once the calls cap lets exactly 5 through and the money cap stops below its amount;
     every paid reply is journaled."""
-    from nv.oracle.http import BudgetExhausted, Limits
+    from nv.oracle.base import BudgetExhausted
+    from nv.oracle.http import Limits
 
     limits = Limits(concurrency=8, retries=0)
     with FaultProxy(server.base_url) as proxy, \
@@ -364,6 +375,39 @@ def test_budget_cap_stops_before_overspending_and_a_raised_budget_resumes(baseli
     assert result(json.loads((out / "report.json").read_text())) == result(baseline["report"])
 
 
+def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path):
+    """http://user:password@host/v1 (a server behind a proxy that asks for Basic credentials): every request carries
+    them, and no file the attack writes, nor its output, holds them."""
+    out = tmp_path / "out"
+    with FaultProxy(server.base_url) as proxy:
+        url = proxy.url.replace("http://", "http://auditor:s3cret%21@")
+        proc = run_attack(attack_args(url, server.model_name, baseline["params"], out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(proxy.authorizations) == {"Basic " + base64.b64encode(b"auditor:s3cret!").decode()}
+    written = [f for f in out.rglob("*") if f.is_file()]
+    assert len(written) > 5 and not [f for f in written if b"s3cret" in f.read_bytes() or b"auditor" in f.read_bytes()]
+    assert "s3cret" not in proc.stdout + proc.stderr
+    assert json.loads((out / "report.json").read_text())["endpoint"] == proxy.url
+
+
+def test_a_larger_budget_on_the_same_journal_reuses_every_paid_reply(baseline, server, root, tmp_path):
+    """N and live.columns are not bound to the journal: they change how many requests the attack makes and how
+    the draws are stored, not what a request asks; raised after a run, only the new calls are paid."""
+    out = tmp_path / "out"
+    with FaultProxy(server.base_url) as proxy:
+        first = run_attack(attack_args(proxy.url, server.model_name, baseline["params"], out))
+        assert first.returncode == 0 and len(proxy.forwarded) == REQUESTS, first.stderr[-3000:]
+        paid = {request_key(b) for b in proxy.forwarded}
+        more = write_params(root, tmp_path, name="more.yaml", columns=300_000)
+        more.write_text(more.read_text().replace("  N: 8\n", "  N: 12\n"))
+        second = run_attack(attack_args(proxy.url, server.model_name, more, out))
+        assert second.returncode == 0, second.stderr[-3000:]
+        new = [request_key(b) for b in proxy.forwarded[REQUESTS:]]
+    assert not paid & set(new) and len(new) == len(set(new)) == 4 * (12 - 8)  # D x the 4 new samples, nothing twice
+    report = json.loads((out / "report.json").read_text())
+    assert report["calls"] == 4 * 12 + 4 and report["cost"]["provider"]["calls"] == REQUESTS + len(new)
+
+
 def _load(params: Path) -> dict:
     from nv.cli import PHASE1_SECTIONS
     from nv.params import load_params
@@ -411,10 +455,10 @@ def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys)
         paid.put("k0", {"c": [], "p": 1, "o": 1})  # something paid under it: the binding holds
         paid.close()
         other = write_params(root, tmp_path, name="other.yaml")
-        text = other.read_text().replace("  N: 8\n", "  N: 9\n")
+        text = other.read_text().replace("  temperature: 2.0\n", "  temperature: 1.5\n")
         other.write_text(text)
         err = _error(capsys, attack_args(proxy.url, name, other, tmp_path / "o2", "--journal", str(journal_path)))
-        assert "belongs to another attack (sampling.N was 8, now 9)" in err
+        assert "belongs to another attack (sampling.temperature was 2.0, now 1.5)" in err
         err = _error(capsys, attack_args(server.base_url, name, params, tmp_path / "o3", "--journal", str(journal_path)))
         assert "belongs to another attack (endpoint was" in err
         assert proxy.posts == 0
@@ -472,18 +516,31 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
     assert path.read_bytes() == whole  # truncated back to the last whole line
     lines = whole.split(b"\n")
     path.write_bytes(b"\n".join(lines[:1] + [b"{broken"] + lines[2:]))
-    with pytest.raises(NVError, match="line 2 is corrupt"):
+    with pytest.raises(NVError, match=r"line 2 is corrupt, .* \(keep the replies above it with `head -n 1`"):
         Journal(path, {"endpoint": "e"})
+    # JSON, but not what a paid reply or a column looks like: as untrusted as a broken line, never a KeyError later
+    for bad in ({"r": "k", "d": {}}, {"r": "k", "d": {"c": "garbage", "p": 1, "o": 1}}, {"r": "k", "d": {"c": [], "p": "x", "o": 1}},
+                {"r": "k", "d": {"c": [["s:a", "x", []]], "p": 1, "o": 1}}, {"r": 5, "d": {"c": [], "p": 1, "o": 1}},
+                {"v": 3, "c": 2}):
+        path.write_bytes(b"\n".join(lines[:3] + [json.dumps(bad).encode()] + lines[3:]))
+        with pytest.raises(NVError, match=r"line 4 is not a response or a column entry, .*`head -n 3`"):
+            Journal(path, {"endpoint": "e"})
     with pytest.raises(NVError, match=r"belongs to another attack \(endpoint was 'e', now 'f'\)"):
         path.write_bytes(whole)
         Journal(path, {"endpoint": "f"})
+    # a path the caller leaves unbound (how many requests, not what they ask) may change: the paid replies are reused
+    unbound = Journal(path, {"endpoint": "e", "N": 12}, unbound=("N",))
+    assert set(unbound.responses) == {"k1", "k2"}
+    unbound.close()
+    with pytest.raises(NVError, match=r"belongs to another attack \(endpoint was 'e', now 'f'\)"):
+        Journal(path, {"endpoint": "f", "N": 12}, unbound=("N",))
 
 
 def test_journal_refuses_a_foreign_file_untouched_and_reuses_one_where_nothing_was_paid(tmp_path, caplog):
     """A --journal path naming someone else's file is refused and left as it was, even a one-line file (it used to
     be taken for a torn header and overwritten); a journal whose header is all it holds (a first run that failed its
     set-up checks) serves the corrected attack instead of refusing it."""
-    for content in (b"garbage", b"[1]\n", b"\xff\xfe", b'{"a": 1}\n{"b": 2'):
+    for content in (b"garbage", b"[1]\n", b"\xff\xfe", b'{"a": 1}\n{"b": 2', b"some notes\nnot JSON at all\n"):
         path = tmp_path / "other.jsonl"
         path.write_bytes(content)
         with pytest.raises(NVError, match="is not a NightVision journal"):
@@ -723,3 +780,26 @@ def test_adaptive_rounds_resume_after_kill_minus_9_without_paying_twice(server, 
         resent = [request_key(b) for b in proxy.forwarded[before:]]
     assert not done & set(resent) and len(resent) == len(set(resent)) == requests - len(done)
     assert result(json.loads((out / "report.json").read_text())) == result(reference)
+
+
+def test_adaptive_round_the_budget_cannot_finish_is_not_started(server, root, tmp_path):
+    """A calls cap that affords rounds N = 4 and 8 but not the 8 more calls per prompt of N = 16: the loop stops
+    before that round sends anything, says why on the console and in the report, and exits 0 with its best estimate;
+    a failure that is not the budget's (a client error mid-round) still ends the run with that error."""
+    params = yaml.safe_load(write_params(root, tmp_path).read_text())
+    params["sampling"].update(N="auto", N0=4, N_max=16, growth=2.0)
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(yaml.safe_dump(params, allow_unicode=True, sort_keys=False))
+    two_rounds = 2 + 4 + 4 * 8  # probes, search, 8 calls per prompt
+    with FaultProxy(server.base_url) as proxy:
+        proc = run_attack(attack_args(proxy.url, server.model_name, path, tmp_path / "out", "--budget-calls", "50"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(proxy.forwarded) == proxy.posts == two_rounds  # nothing of the round that could not finish
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["N"] for r in report["adaptive"]] == [4, 8] and report["N"] == 8
+    assert report["adaptive_stop"].startswith("round 2 (N = 16, ") and "would pass the calls cap of 50" in report["adaptive_stop"]
+    assert "stopped: round 2 (N = 16, " in proc.stdout
+    with FaultProxy(server.base_url, {two_rounds - 3: "400"}) as proxy:  # a request of round 1
+        proc = run_attack(attack_args(proxy.url, server.model_name, path, tmp_path / "out2"))
+    assert proc.returncode == 2 and "refused the request: HTTP 400" in proc.stderr and "not affordable" not in proc.stderr
+    assert not (tmp_path / "out2" / "report.json").exists()

@@ -37,6 +37,9 @@ def test_shipped_params_are_valid(root):
         ("model", "logprobs", "topk", "'model.logprobs' must be one of"),
         ("model_card", "temperature", -2.0, "'model_card.temperature' must be > 0"),
         ("model_card", "top_k", 1.5, "'model_card.top_k' must be int, got float"),
+        ("sampling", "growth", float("inf"), "'sampling.growth' must be a finite number, got inf"),
+        ("sampling", "temperature", float("inf"), "'sampling.temperature' must be a finite number, got inf"),
+        ("exactness", "temperatures", [2.0, float("inf")], "'exactness.temperatures' must be a non-empty list of finite numbers"),
     ],
 )
 def test_wrong_type_or_range_names_the_key(tmp_path, params, section, key, value, message):
@@ -54,9 +57,12 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
         load_params(write(tmp_path, {"seed": 1}), ["nope"])
     with pytest.raises(NVError, match="'seed' must be an int"):
         load_params(write(tmp_path, {"seed": "x"}))
-    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
-    with pytest.raises(NVError, match="not valid YAML"):
+    (tmp_path / "bad.yaml").write_text("seed: 0\nsweep: {budgets: [1, 2}\n")
+    with pytest.raises(NVError, match="not valid YAML: expected ',' or ']', but got '}' at line 2, column 23"):
         load_params(tmp_path / "bad.yaml")
+    (tmp_path / "twice.yaml").write_text("seed: 0\nsampling:\n  N: 10\n  N: 20\n")  # PyYAML alone keeps the last
+    with pytest.raises(NVError, match="not valid YAML: key 'N' given twice at line 4, column 3"):
+        load_params(tmp_path / "twice.yaml")
     with pytest.raises(NVError, match="params file not found"):
         load_params(tmp_path / "absent.yaml")
     with pytest.raises(NVError, match="cannot be read: Is a directory"):

@@ -80,6 +80,8 @@ def resolve(spec: str) -> tuple[str, str | None]:
         return str(path.parent), path.name
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
+        if path.is_dir():
+            raise NVError(f"{spec} is a folder, not a GGUF file")
         if not path.is_file():
             raise NVError(f"GGUF file not found: {spec}")
         return str(path.parent.resolve()), path.name

@@ -76,6 +76,10 @@ def check_sampling(n: int, temperature: float, prompts: Sequence[str], seeds: Se
         raise NVError(f"temperature must be > 0, got {temperature} (use argmax() for greedy calls)")
 
 
+class BudgetExhausted(NVError):
+    """The next request would pass a budget cap; nothing over it was sent."""
+
+
 class Oracle(ABC):
     """A restrictive LLM API: sampled token + its log-probability, and timing."""
 
@@ -93,6 +97,11 @@ class Oracle(ABC):
     @abstractmethod
     def time_request(self, prompt: str) -> TimedCall:
         """One call with one output token, timed client-side from request to that token."""
+
+    def refuses(self, prompt_tokens: Sequence[int], n: int) -> str | None:
+        """Why ``n`` more calls for each prompt (``prompt_tokens``: each one's tokens per call) would pass a budget
+        cap of this backend, or None (a backend without a budget: never)."""
+        return None
 
     @contextmanager
     def repeats(self) -> Iterator[None]:

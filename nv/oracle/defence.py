@@ -266,6 +266,9 @@ class DefendedOracle(Oracle):
     def repeats(self):
         return self.inner.repeats()
 
+    def refuses(self, prompt_tokens, n: int) -> str | None:
+        return self.inner.refuses(prompt_tokens, n)
+
     def time_request(self, prompt: str) -> TimedCall:
         d = self.defence
         if d.pad_to_tokens is None:

@@ -24,16 +24,20 @@ with the request's cost reserved up front, so the attack stops before overspendi
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import html
 import json
 import math
 import os
 import random
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 import numpy as np
@@ -41,10 +45,27 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.journal import Journal, canonical, request_key
-from nv.oracle.base import Cost, Oracle, Samples, TimedCall, check_sampling
+from nv.oracle.base import BudgetExhausted, Cost, Oracle, Samples, TimedCall, check_sampling
 
 PROBE_PROMPT = "Hello"
+# HTTP statuses retried (with the other 5xx but 501 Not Implemented and 505, which no retry mends); other 4xx are final
+TRANSIENT = (408, 425, 429)
+NOTICE_EVERY = 10.0  # seconds between two lines about retries
 PROBE_TEMPERATURE = 0.5  # far from 1, where processed and raw log-probs coincide
+
+
+def split_credentials(base_url: str) -> tuple[str, dict]:
+    """(the base URL without ``user:password@``, the HTTP Basic ``Authorization`` header it carried, or {}):
+    the URL goes into journals, reports and errors, the credentials only into request headers."""
+    try:
+        parts = urlsplit(base_url)
+        user, password = parts.username, parts.password
+    except ValueError:  # HTTPOracle names what is wrong with it
+        return base_url, {}
+    if user is None and password is None:
+        return base_url, {}
+    token = base64.b64encode(f"{unquote(user or '')}:{unquote(password or '')}".encode()).decode()
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), {"Authorization": f"Basic {token}"}
 
 
 @dataclass(frozen=True)
@@ -75,12 +96,9 @@ class Budget:
         return None if self.price_per_mtok is None else tokens * self.price_per_mtok / 1e6
 
 
-class BudgetExhausted(NVError):
-    """The next request would pass a budget cap; nothing over it was sent."""
-
-
 class _Retry(Exception):
-    """A transient failure: 429, 5xx, timeout, dropped connection, truncated or non-JSON reply."""
+    """A transient failure: HTTP 408, 425, 429, 5xx but 501 and 505; a timeout, dropped connection, truncated or
+    non-JSON reply."""
 
     def __init__(self, reason: str, retry_after: str | None = None) -> None:
         super().__init__(reason)
@@ -171,6 +189,7 @@ class HTTPOracle(Oracle):
         progress: bool = False,
     ) -> None:
         super().__init__()
+        base_url, basic_auth = split_credentials(base_url)
         try:
             parts = urlsplit(base_url)
         except ValueError:  # preflight names what is wrong with it
@@ -183,6 +202,8 @@ class HTTPOracle(Oracle):
             port = 0
         if port == 0:
             raise NVError(f"base URL {base_url!r}: the port must be a number in 1-65535")
+        if parts and parts.scheme in ("http", "https") and not parts.hostname:
+            raise NVError(f"base URL {base_url!r} names no host: give e.g. http://127.0.0.1:8080/v1")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.chat = chat
@@ -200,13 +221,14 @@ class HTTPOracle(Oracle):
         self.greedy: dict[str, tuple[int, float]] = {}  # prompt -> (column or -1, log-prob) of its T = 0 call
         self._probe_pairs: list[tuple[float, float]] = []  # (T = 0, T = 0.5) log-probs of the probe's argmax token
         key = os.environ.get(api_key_env)
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._headers = basic_auth or ({"Authorization": f"Bearer {key}"} if key else {})
         self._prompt_len: dict[str, int] = {}
         self._longest = 0
         self._timed: dict[str, int] = {}
         self._reserved_calls = 0
         self._reserved_tokens = 0
         self._next_slot = 0.0
+        self._quiet_until = 0.0  # the next _notice may be written from this time.monotonic() on
         self._client: httpx.AsyncClient | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nv-http", daemon=True)
@@ -259,6 +281,9 @@ class HTTPOracle(Oracle):
         T = PROBE_TEMPERATURE, whose reply must carry log-probs (else nothing more is sent), then one
         at T = 0. ``n`` is honoured if n choices come back; the argmax token, almost surely drawn at
         T = 0.5, shows raw log-probs (the same value at both temperatures) or processed ones."""
+        if self.progress:
+            tqdm.write(f"probe: 2 requests to {self.base_url}: log-probs, n honoured, raw or processed (timeout "
+                       f"{self.limits.timeout:g} s, {self.limits.retries} retries)", file=sys.stderr)
         n = max(2, self.n_per_request)
         (sampled,) = self._run([self._body(PROBE_PROMPT, PROBE_TEMPERATURE, n, 0, logprobs=True)], 1)
         if not sampled["c"] or all(lp is None for _, lp, _ in sampled["c"]):
@@ -455,13 +480,25 @@ class HTTPOracle(Oracle):
         self.stats["sent"] += 1
         return record
 
-    def _reserve(self, tokens: int) -> None:
+    def _over(self, calls: int, tokens: int) -> tuple[str, float] | None:
+        """The budget cap (what, amount) that ``calls`` more requests of ``tokens`` more billed tokens would pass,
+        on top of what is spent and reserved; None within every cap."""
         spent, b = self.provider_cost, self.budget
-        calls, total = spent.calls + self._reserved_calls + 1, spent.tokens + self._reserved_tokens + tokens
+        calls, total = spent.calls + self._reserved_calls + calls, spent.tokens + self._reserved_tokens + tokens
         money = b.money_of(total)
-        over = ("calls", b.calls) if b.calls is not None and calls > b.calls else \
+        return ("calls", b.calls) if b.calls is not None and calls > b.calls else \
                ("tokens", b.tokens) if b.tokens is not None and total > b.tokens else \
                ("money", b.money) if b.money is not None and money is not None and money > b.money else None
+
+    def refuses(self, prompt_tokens: Sequence[int], n: int) -> str | None:
+        per = math.ceil(n / self.n_per_request)
+        requests, tokens = len(prompt_tokens) * per, int(np.sum(prompt_tokens)) * per + len(prompt_tokens) * n
+        over = self._over(requests, tokens)
+        return None if over is None else (f"{requests:,} requests of ~{tokens:.3g} billed tokens would pass the "
+                                          f"{over[0]} cap of {over[1]:,.6g} (spent so far: {self._spend()})")
+
+    def _reserve(self, tokens: int) -> None:
+        over = self._over(1, tokens)
         if over:
             raise BudgetExhausted(f"budget reached: the next request would pass the {over[0]} cap of {over[1]} "
                                   f"(spent so far: {self._spend()}); paid work is in the journal: raise the budget "
@@ -477,6 +514,8 @@ class HTTPOracle(Oracle):
         now = self._loop.time()
         start = max(now, self._next_slot)
         self._next_slot = start + max(60.0 / rpm if rpm else 0.0, 60.0 * tokens / tpm if tpm else 0.0)
+        if start - now > NOTICE_EVERY:
+            self._notice(f"pacing to live.rpm = {rpm:g}, live.tpm = {tpm:g}: the next request in {start - now:.0f} s")
         await asyncio.sleep(start - now)
 
     async def _post(self, body: dict, timed: bool) -> dict:
@@ -490,7 +529,7 @@ class HTTPOracle(Oracle):
                 start = time.perf_counter()
                 r = await self._client.post(url, json=body)
                 seconds = time.perf_counter() - start
-                if r.status_code == 429 or r.status_code >= 500:
+                if r.status_code in TRANSIENT or (r.status_code >= 500 and r.status_code not in (501, 505)):
                     raise _Retry(f"HTTP {r.status_code} {_detail(r)}".strip(), r.headers.get("retry-after"))
                 if r.status_code >= 400:
                     raise NVError(f"{url} refused the request: HTTP {r.status_code} {_detail(r)}")
@@ -512,9 +551,19 @@ class HTTPOracle(Oracle):
                     return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
                 return parse_reply(data, self.chat, self.top_logprobs)
             if attempt < self.limits.retries:
-                await asyncio.sleep(self._backoff(attempt, wait))
+                delay = self._backoff(attempt, wait)
+                self._notice(f"{url}: {last}; retry {attempt + 1} of {self.limits.retries} in {delay:.1f} s "
+                             f"({self.stats['retries'] + 1} retries in this run)")
+                await asyncio.sleep(delay)
         raise NVError(f"{url}: giving up after {self.limits.retries} retries (last: {last}); "
                       "paid work so far is in the journal and a rerun resumes from it")
+
+    def _notice(self, message: str) -> None:
+        """A line on stderr about a slow or failing endpoint (not with --quiet), at most one per NOTICE_EVERY s."""
+        now = time.monotonic()
+        if self.progress and now >= self._quiet_until:
+            self._quiet_until = now + NOTICE_EVERY
+            tqdm.write(message[:300], file=sys.stderr)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         base = min(self.limits.backoff_max, self.limits.backoff * 2**attempt)
@@ -536,4 +585,6 @@ def _detail(r: httpx.Response) -> str:
         text = msg if isinstance(msg, str) else json.dumps(msg)
     except ValueError:
         text = r.text
+        if "html" in r.headers.get("content-type", "") or text.lstrip().startswith("<"):  # an HTML error page: its words
+            text = html.unescape(re.sub(r"<(script|style)\b.*?</\1>|<[^>]*>", " ", text, flags=re.S | re.I))
     return " ".join(text.split())[:200]

@@ -1,7 +1,9 @@
 """Append-only journal of paid API responses: nothing paid is lost, nothing completed is paid twice.
 
 JSON lines. The first line binds the file to one attack (endpoint, model and the parameters that
-shape its requests); a journal written for another binding is refused. Then one line per paid
+shape its requests); a journal written for another binding is refused, except where it differs only
+in paths the caller declares unbound (how many requests an attack makes, not what they ask: a rerun
+with a larger budget reuses every paid reply). Then one line per paid
 response, keyed by the request's identity (the SHA-256 of its exact JSON body, which carries the
 per-request seed, so the same key always means the same question), and one line per token column
 the first time a token is seen (the stable column index of Y_hat, Alg. 1).
@@ -26,6 +28,8 @@ from nv.errors import NVError
 
 log = logging.getLogger(__name__)
 
+# what to do about a bad line: the lines above it are whole (each was fsync'ed before its reply was used)
+_RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or use a new --journal path)"
 MAGIC = "nightvision-journal"
 VERSION = 1
 
@@ -40,13 +44,34 @@ def request_key(body: dict) -> str:
     return hashlib.sha256(canonical(body).encode()).hexdigest()
 
 
-def _first_difference(old, new, path: str = "") -> str:
-    """'key.sub was A, now B' for the first differing leaf of two JSON values."""
+def _first_difference(old, new, unbound: tuple[str, ...] = (), path: str = "") -> str | None:
+    """'key.sub was A, now B' for the first differing leaf of two JSON values outside the ``unbound`` paths
+    (None when they agree there)."""
+    if path in unbound or old == new:
+        return None
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new)):
-            if old.get(k, "<absent>") != new.get(k, "<absent>"):
-                return _first_difference(old.get(k, "<absent>"), new.get(k, "<absent>"), f"{path}.{k}" if path else k)
+            diff = _first_difference(old.get(k, "<absent>"), new.get(k, "<absent>"), unbound, f"{path}.{k}" if path else k)
+            if diff:
+                return diff
+        return None
     return f"{path or 'binding'} was {old!r}, now {new!r}"
+
+
+def _number(v, minimum=None) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (minimum is None or v >= minimum)
+
+
+def _valid_record(d) -> bool:
+    """A paid reply as ``HTTPOracle`` journals it: prompt and output tokens, and either the sampled tokens
+    [[key or null, log-prob or null, [[key, log-prob], ...]], ...] or a timed call's seconds."""
+    if not (isinstance(d, dict) and _number(d.get("p"), 0) and _number(d.get("o"), 0)):
+        return False
+    if "t" in d:
+        return _number(d["t"], 0)
+    return isinstance(d.get("c"), list) and all(
+        isinstance(c, list) and len(c) == 3 and (c[0] is None or isinstance(c[0], str))
+        and (c[1] is None or _number(c[1])) and isinstance(c[2], list) for c in d["c"])
 
 
 class Journal:
@@ -57,9 +82,10 @@ class Journal:
     the server's usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
     """
 
-    def __init__(self, path: str | Path | None, binding: dict) -> None:
+    def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = ()) -> None:
         self.path = None if path is None else Path(path)
         self.binding = json.loads(canonical(binding))
+        self.unbound = unbound  # binding paths a resumed attack may change (how many requests, not what they ask)
         self.responses: dict[str, dict] = {}
         self.columns: dict[str, int] = {}
         self.prompt_tokens = 0
@@ -93,10 +119,13 @@ class Journal:
             self.sync()
             return
         header = entries[0]
-        if header.get("binding") != self.binding:
-            diff = _first_difference(header.get("binding"), self.binding)
+        diff = _first_difference(header.get("binding"), self.binding, self.unbound)
+        if diff:
             self.close()
             raise NVError(f"journal {self.path} belongs to another attack ({diff}): use a new --journal path")
+        if header.get("binding") != self.binding:
+            log.info("journal %s: the same attack with %s: its paid replies are reused", self.path,
+                     _first_difference(header.get("binding"), self.binding))
         for n, entry in enumerate(entries[1:], start=2):
             self._load(entry, n)
 
@@ -113,7 +142,11 @@ class Journal:
             except ValueError:
                 if i < len(whole) - 1 or tail:
                     self.close()
-                    raise NVError(f"journal {self.path}: line {i + 1} is corrupt, so the journal cannot be trusted") from None
+                    if i == 0:
+                        raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new "
+                                      "--journal path") from None
+                    raise NVError(f"journal {self.path}: line {i + 1} is corrupt, so the journal cannot be trusted "
+                                  f"{_RECOVER.format(keep=i)}") from None
                 tail = line + b"\n"  # an unparsable last line is torn too
                 break
             entries.append(entry)
@@ -130,13 +163,14 @@ class Journal:
         return entries
 
     def _load(self, entry: dict, line: int) -> None:
-        if "r" in entry and isinstance(entry.get("d"), dict):
+        if isinstance(entry.get("r"), str) and _valid_record(entry.get("d")):
             self._remember(entry["r"], entry["d"])
-        elif "v" in entry and entry.get("c") == len(self.columns):
+        elif isinstance(entry.get("v"), str) and entry.get("c") == len(self.columns):
             self.columns[entry["v"]] = entry["c"]
         else:
             self.close()
-            raise NVError(f"journal {self.path}: line {line} is not a response or a column entry, so the journal cannot be trusted")
+            raise NVError(f"journal {self.path}: line {line} is not a response or a column entry, so the journal cannot "
+                          f"be trusted {_RECOVER.format(keep=line - 1)}")
 
     def _remember(self, key: str, record: dict) -> None:
         self.responses[key] = record

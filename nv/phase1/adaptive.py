@@ -32,7 +32,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from nv.errors import NVError
-from nv.oracle.base import Oracle
+from nv.oracle.base import BudgetExhausted, Oracle
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate
@@ -171,15 +171,22 @@ def sample_adaptive(
             delta = N - previous
             folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
             if not _finished(folder, delta, len(prompts)):
-                try:
-                    collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
-                            checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
-                            progress=progress)
-                except NVError as exc:
-                    if merged is None:
-                        raise
+                # a round the budget cannot finish is not started (its cost is known from the rounds before), and one
+                # that passes a cap all the same stops the loop with the rounds finished so far
+                refusal = None if merged is None else oracle.refuses(merged.prompt_tokens, delta)
+                if refusal is None:
+                    try:
+                        collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
+                                checkpoint_root=checkpoint_root, identity={**identity, "round": r},
+                                chunk=sampling["chunk"], progress=progress)
+                    except BudgetExhausted as exc:
+                        if merged is None:
+                            raise
+                        refusal = str(exc)
+                if refusal is not None:
                     next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
-                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
+                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {refusal}"
+                    report(f"stopped: {why}")
                     break
             merged = load_samples(folder) if merged is None else merge(merged, folder)
             done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,

@@ -201,8 +201,10 @@ def _shards(folder: Path, columns: np.ndarray | None = None) -> tuple[dict, list
     where given)."""
     try:
         meta = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except OSError:
         raise NVError(f"no sampling manifest in {folder}: run the sampling stage first") from None
+    except ValueError:
+        raise NVError(f"sampling manifest {folder / MANIFEST} is not JSON: rerun the sampling stage") from None
     if not (isinstance(meta, dict) and all(isinstance(meta.get(k), int) and meta[k] >= 1 for k in MANIFEST_INTS)
             and isinstance(meta.get("temperature"), (int, float)) and meta["temperature"] > 0):
         raise NVError(f"sampling manifest {folder / MANIFEST} is corrupt (it needs {', '.join(MANIFEST_INTS)} >= 1 and a "

@@ -13,6 +13,7 @@ interrupted run resumes without paying for them again.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,11 @@ def load_calibration(path: Path) -> dict:
     missing = [k for k in CALIBRATION_KEYS if not isinstance(cal, dict) or k not in cal]
     if missing:
         raise NVError(f"timing calibration {path} lacks {missing}: use outputs/timing_fit/calibration.json")
+    bad = [k for k in CALIBRATION_KEYS[1:] if isinstance(cal[k], bool) or not isinstance(cal[k], (int, float))
+           or not math.isfinite(cal[k]) or (k in ("trials", "warmups", "n_lengths", "discard") and cal[k] != int(cal[k]))]
+    if bad:
+        raise NVError(f"timing calibration {path}: {bad[0]} = {cal[bad[0]]!r} is not a finite number of the right kind: "
+                      "use outputs/timing_fit/calibration.json")
     if not cal["beta"] > 0:
         raise NVError(f"timing calibration {path} has beta = {cal['beta']}: its reference fit failed")
     return cal
