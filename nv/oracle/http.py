@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import numpy as np
@@ -48,24 +48,25 @@ from nv.oracle.journal import Journal, canonical, request_key
 from nv.oracle.base import BudgetExhausted, Cost, Oracle, Samples, TimedCall, check_sampling
 
 PROBE_PROMPT = "Hello"
+PROBE_TEMPERATURE = 0.5  # far from 1, where processed and raw log-probs coincide
 # HTTP statuses retried (with the other 5xx but 501 Not Implemented and 505, which no retry mends); other 4xx are final
 TRANSIENT = (408, 425, 429)
 NOTICE_EVERY = 10.0  # seconds between two lines about retries
-PROBE_TEMPERATURE = 0.5  # far from 1, where processed and raw log-probs coincide
 
 
 def split_credentials(base_url: str) -> tuple[str, dict]:
     """(the base URL without ``user:password@``, the HTTP Basic ``Authorization`` header it carried, or {}):
     the URL goes into journals, reports and errors, the credentials only into request headers."""
+    public = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@", r"\1", base_url)  # also where urlsplit fails on the rest
     try:
         parts = urlsplit(base_url)
         user, password = parts.username, parts.password
-    except ValueError:  # HTTPOracle names what is wrong with it
-        return base_url, {}
+    except ValueError:  # HTTPOracle names what is wrong with the (public) URL
+        return public, {}
     if user is None and password is None:
-        return base_url, {}
+        return public, {}
     token = base64.b64encode(f"{unquote(user or '')}:{unquote(password or '')}".encode()).decode()
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), {"Authorization": f"Basic {token}"}
+    return public, {"Authorization": f"Basic {token}"}
 
 
 @dataclass(frozen=True)
