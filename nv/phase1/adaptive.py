@@ -173,19 +173,15 @@ def sample_adaptive(
             if not _finished(folder, delta, len(prompts)):
                 # a round the budget cannot finish is not started (its cost is known from the rounds before), and one
                 # that passes a cap all the same stops the loop with the rounds finished so far
-                refusal = None if merged is None else oracle.refuses(merged.prompt_tokens, delta)
-                if refusal is None:
-                    try:
-                        collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
-                                checkpoint_root=checkpoint_root, identity={**identity, "round": r},
-                                chunk=sampling["chunk"], progress=progress)
-                    except BudgetExhausted as exc:
-                        if merged is None:
-                            raise
-                        refusal = str(exc)
-                if refusal is not None:
+                try:
+                    collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
+                            checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
+                            progress=progress, prompt_tokens=None if merged is None else merged.prompt_tokens)
+                except BudgetExhausted as exc:
+                    if merged is None:
+                        raise
                     next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
-                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {refusal}"
+                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
                     report(f"stopped: {why}")
                     break
             merged = load_samples(folder) if merged is None else merge(merged, folder)

@@ -22,7 +22,7 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.errors import NVError
-from nv.oracle.base import Oracle, Samples
+from nv.oracle.base import BudgetExhausted, Oracle, Samples
 
 MANIFEST = "manifest.json"
 
@@ -149,11 +149,15 @@ def collect(
     identity: dict,
     chunk: int = 100,
     progress: bool = True,
+    prompt_tokens: np.ndarray | None = None,
 ) -> Path:
     """Sample every prompt (Alg. 1 lines 1-4) into shards under ``out_dir``; return ``out_dir``.
 
     ``identity`` names the target (model spec and oracle switches): with the prompts, N, tau and
     seed it keys the checkpoint folder under ``checkpoint_root``, so stale work is never reused.
+    ``prompt_tokens`` (each prompt's tokens per call, where an earlier sample measured them): the
+    oracle is first asked whether the unfinished shards' calls would pass a budget cap
+    (``Oracle.refuses``), and ``BudgetExhausted`` says so before anything is sent.
     """
     meta = {"N": N, "temperature": temperature, "seed": seed, "chunk": chunk, "D": len(prompts), "vocab_size": vocab_size,
             "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), **identity}
@@ -162,6 +166,10 @@ def collect(
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     starts = range(0, len(prompts), chunk)
     todo = [s for s in starts if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size) is None]
+    if prompt_tokens is not None and todo:
+        refusal = oracle.refuses(np.concatenate([prompt_tokens[s : s + chunk] for s in todo]), N)
+        if refusal is not None:
+            raise BudgetExhausted(refusal)
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
                desc=f"sampling N={N:g}", unit="prompt", disable=not progress)
     for s in todo:
