@@ -122,7 +122,7 @@ def attack_live(args: argparse.Namespace) -> int:
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
     plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
     if args.dry_run:
-        print(live.format_plan(plan, params, args.model, args.base_url, timing and timing["calibration"]))
+        print(live.format_plan(plan, params, args.model, args.base_url, timing))
         live.check_budget(plan, budget)
         print(json.dumps(plan))
         return 0

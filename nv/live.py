@@ -100,8 +100,11 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     return out
 
 
-def format_plan(p: dict, params: dict, model: str, base_url: str, calibration: dict | None = None) -> str:
-    """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with a calibration."""
+def format_plan(p: dict, params: dict, model: str, base_url: str, timing: dict | None = None) -> str:
+    """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with ``timing``
+    (``attack``'s: the calibration and the d_hat given, if any)."""
+    calibration = None if timing is None else timing["calibration"]
+    placed = "phase 1's d_hat" if timing is None or not timing["d_hat"] else f"d_hat = {timing['d_hat']}"
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
     adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
@@ -124,7 +127,7 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, calibration: d
         + ("" if calibration is None else
            f"\n  phase 2 (timing)  after phase 1: {calibration['warmups']} warm-ups, the ell = 1 baseline and "
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
-           "placed from phase 1's d_hat), one output token each; not in the totals above")
+           f"placed from {placed}), one output token each; not in the totals above")
     )
 
 

@@ -12,7 +12,7 @@ The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numb
 - ``"truncate"``: forwarded (so paid), then answered 200 with the first half of the JSON body;
 - ``"reset"``: the connection is dropped with a TCP reset, not forwarded.
 
-``mode="html"`` answers every request with an HTML page; ``mode="strip"`` removes ``logprobs`` from
+``mode="html"`` answers every request with an HTML page, ``mode="401"`` with 401 Unauthorized; ``mode="strip"`` removes ``logprobs`` from
 every forwarded reply (a server without log-prob support); ``mode="n"`` gives the llama.cpp server the
 ``n`` it ignores: a POST asking for n > 1 choices becomes n upstream requests (seeds seed * 1000 + i)
 merged into one reply of n choices, prompt tokens counted once (as vLLM bills one prefill). ``posts`` counts POSTs received and
@@ -33,7 +33,7 @@ import time
 import httpx
 
 FAULTS = ("400", "429", "500", "501", "timeout", "truncate", "reset")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
            501: "Not Implemented"}
 
 
@@ -116,6 +116,8 @@ class FaultProxy:
         """Answer one request; False when the connection is gone."""
         if self.mode == "html":
             return await self._send(writer, 200, b"<html><body>It works!</body></html>", "text/html")
+        if self.mode == "401":
+            return await self._send(writer, 401, b'{"error": {"message": "unauthorized"}}')
         fault = None
         if method == "POST":
             fault = self.faults.get(self.posts)

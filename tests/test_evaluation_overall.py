@@ -153,6 +153,10 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         path.write_text(json.dumps({**cal, key: value}))
         with pytest.raises(NVError, match=f"{key} = {value!r} is not a finite number of the right kind"):
             load_calibration(path)
+    for key, value, rule in (("warmups", 1, ">= 2"), ("trim", 0.5, r"in \[0, 0.5\)"), ("discard", cal["n_lengths"], "in")):
+        path.write_text(json.dumps({**cal, key: value}))  # out of the protocol's range: refused before phase 1 pays
+        with pytest.raises(NVError, match=f"{key} = {value!r} must be {rule}"):
+            load_calibration(path)
 
 
 # -- nv.overall --------------------------------------------------------------------------------------

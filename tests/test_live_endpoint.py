@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -388,6 +389,12 @@ def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path)
     assert len(written) > 5 and not [f for f in written if b"s3cret" in f.read_bytes() or b"auditor" in f.read_bytes()]
     assert "s3cret" not in proc.stdout + proc.stderr
     assert json.loads((out / "report.json").read_text())["endpoint"] == proxy.url
+    with FaultProxy(server.base_url, mode="401") as refusing:  # refused: the hint points at what was used
+        for url, fix in ((refusing.url.replace("http://", "http://auditor:wrong@"), "check the user and password in the URL"),
+                         (refusing.url, "set the API key variable ($OPENAI_API_KEY)")):
+            with HTTPOracle(url, server.model_name) as oracle, pytest.raises(NVError, match=re.escape(fix)) as err:
+                oracle.preflight()
+            assert "wrong" not in str(err.value) and "refused the credentials (HTTP 401)" in str(err.value)
 
 
 def test_a_larger_budget_on_the_same_journal_reuses_every_paid_reply(baseline, server, root, tmp_path):

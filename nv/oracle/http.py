@@ -222,6 +222,7 @@ class HTTPOracle(Oracle):
         self.greedy: dict[str, tuple[int, float]] = {}  # prompt -> (column or -1, log-prob) of its T = 0 call
         self._probe_pairs: list[tuple[float, float]] = []  # (T = 0, T = 0.5) log-probs of the probe's argmax token
         key = os.environ.get(api_key_env)
+        self._basic_auth = bool(basic_auth)
         self._headers = basic_auth or ({"Authorization": f"Bearer {key}"} if key else {})
         self._prompt_len: dict[str, int] = {}
         self._longest = 0
@@ -266,7 +267,8 @@ class HTTPOracle(Oracle):
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise NVError(f"cannot reach {url}: {type(exc).__name__} {exc}".strip()) from None
         if r.status_code in (401, 403):
-            raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): set the API key variable")
+            fix = "check the user and password in the URL" if self._basic_auth else "set the API key variable ($OPENAI_API_KEY)"
+            raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): {fix}")
         try:
             data = r.json()
             served = [str(m["id"]) for m in data["data"]]

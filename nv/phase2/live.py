@@ -42,6 +42,15 @@ def load_calibration(path: Path) -> dict:
     if bad:
         raise NVError(f"timing calibration {path}: {bad[0]} = {cal[bad[0]]!r} is not a finite number of the right kind: "
                       "use outputs/timing_fit/calibration.json")
+    # the protocol's ranges (params.yaml's timing section), checked before phase 1 pays for anything
+    ranges = {"r": (cal["r"] > 0, "> 0"), "trials": (cal["trials"] >= 2, ">= 2"), "warmups": (cal["warmups"] >= 2, ">= 2"),
+              "trim": (0 <= cal["trim"] < 0.5, "in [0, 0.5)"), "n_lengths": (cal["n_lengths"] >= 2, ">= 2"),
+              "discard": (0 <= cal["discard"] < cal["n_lengths"], "in [0, n_lengths)"),
+              "kv_ratio": (cal["kv_ratio"] > 0, "> 0"), "ffn_ratio": (cal["ffn_ratio"] > 0, "> 0")}
+    out = [(k, rule) for k, (ok, rule) in ranges.items() if not ok]
+    if out:
+        raise NVError(f"timing calibration {path}: {out[0][0]} = {cal[out[0][0]]!r} must be {out[0][1]}: "
+                      "use outputs/timing_fit/calibration.json")
     if not cal["beta"] > 0:
         raise NVError(f"timing calibration {path} has beta = {cal['beta']}: its reference fit failed")
     return cal
