@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.colors import to_hex
 
 from nv.errors import NVError
 from nv.phase1.adaptive import next_budget, stopped
@@ -19,6 +20,7 @@ from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
+from nv.plots.exactness import OUTCOME_COLORS
 from nv.plots.exactness import grid as grid_figure
 from nv.plots.exactness import threshold as threshold_figure
 from synthetic import LowRankOracle
@@ -92,8 +94,26 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     assert np.isnan(none.loc["robust", "tokens"]) and none.loc["robust", "best_lower_bound"] == robust[robust.N == 60].lower_bound.max()
     # a panel where no cell has an estimate (an all-None column, as a stage's grid at a hopeless temperature)
     hopeless = grid(S, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
-    path = save(grid_figure(pd.concat([table, hopeless]), (20_000, 10**6)), tmp_path / "grid.png")
-    assert path.stat().st_size > 20_000
+    fig = grid_figure(pd.concat([table, hopeless]), (20_000, 10**6))
+    drawn = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert sorted(drawn) == sorted([f"toy, tau = {S.temperature:g}, true d = {oracle.rank}", f"toy, tau = 1, true d = {oracle.rank}"])
+    for title, cells in ((f"toy, tau = {S.temperature:g}, true d = {oracle.rank}", table), (f"toy, tau = 1, true d = {oracle.rank}", hopeless)):
+        ax = drawn[title]
+        for method in ("robust", "paper"):  # each cell in its outcome's colour, what the estimator said beneath it
+            rows = cells[cells.method == method]
+            (dots,) = [c for c in ax.collections if len(c.get_offsets()) == len(rows) and c.get_sizes()[0] == 70
+                       and np.allclose(c.get_offsets()[:, 1], rows.D)
+                       and np.allclose(c.get_offsets()[:, 0], rows.N * (0.84 if method == "robust" else 1.19))]
+            assert [to_hex(c) for c in dots.get_facecolors()] == [to_hex(OUTCOME_COLORS[o]) for o in rows.outcome]
+        texts = [t.get_text() for t in ax.texts]
+        said = cells[cells.method == "robust"]
+        assert sum(t.startswith(">=") for t in texts) == said.d_hat_raw.isna().sum()
+    # the cheapest exact cell is labelled with its cost where there is one, and nowhere in the hopeless panel
+    labels = [t.get_text() for t in drawn[f"toy, tau = {S.temperature:g}, true d = {oracle.rank}"].texts]
+    assert f"robust: {best.loc['robust', 'tokens']:.2g} tokens" in labels and any(t.startswith("paper: ") for t in labels)
+    assert not [t.get_text() for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts if "tokens" in t.get_text()
+                and not t.get_text().startswith("paper: ")]
+    assert save(fig, tmp_path / "grid.png").stat().st_size > 20_000
 
 
 def test_threshold_brackets_the_exact_cells_by_their_edge_ratio(toy, tmp_path):
