@@ -6,10 +6,10 @@ stages). Phase 2 is evaluated in two setups: ``F``, the target against the rando
 only (as the section stages do), and ``all``, leave-one-out among every timed model (the references and the
 other real models, with their true facts): the paper's setup. Depth: both of the paper's estimators
 (``nv.phase2.evaluation.held_out``: the basic estimator of §4.2 and Eq. 10) and a stated rule choosing
-between them from what the attacker has: the estimator with the smaller median leave-one-out error over the
-calibration's own reference models. Parameters: Eq. 3 with the paper's default ratios, with the target's
-true ratios (an oracle, for comparison), and the attacker-side estimate from the prefill curve
-(``nv.phase2.prefill``), the headline.
+between them from what the attacker has (``choose_rule``): the estimator with the smaller median leave-one-out
+error over the calibration's own reference models, among those that give the target a depth. Parameters: Eq. 3
+with the paper's default ratios, with the target's true ratios (an oracle, for comparison), and the attacker-side
+estimate from the prefill curve (``nv.phase2.prefill``), the headline.
 
 Intervals (90 % nominal): d from the detector (``nv.phase1.sweep.d_interval``); L and P_ne from the leave-one-out
 residuals of the same calibration's references, L_hat exp(+-q) with q the largest |log(L_hat/L)| among them (split
@@ -147,6 +147,14 @@ def _held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
     return row
 
 
+def choose_rule(scores: dict[str, float], row: dict) -> str:
+    """The rule's estimator: the smallest median leave-one-out error over the references (``scores``) among those
+    that give the target a depth (``row``, from ``_held_out_all``); the first by score when none does. An estimator
+    whose fit on the target is not positive (noted) yields to the other, as an attacker would."""
+    order = sorted(scores, key=scores.get)
+    return next((name for name in order if row.get(ESTIMATORS[name], np.nan) > 0), order[0])
+
+
 def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
     """Every real model x setup x platform x K' (the first K' trials per length): L_hat by both estimators
     and the rule, P_ne_hat, and the 90 % residual quantiles of the same calibration's references."""
@@ -166,13 +174,12 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                 scores[name] = np.nanmedian(err) if np.isfinite(err).any() else np.inf
                 q[f"q_L_{name}"] = _conformal(column(key), column("L_true"))
                 q[f"q_P_{name}"] = _conformal(column(f"P_ne_hat_{name}"), column("P_ne_true"))
-            rule = min(scores, key=scores.get)
-            key = ESTIMATORS[rule]
             for K in trial_counts:
                 if K > g["trials"]:
                     continue
                 gk = with_trials(g, K, timing["trim"])
                 row = _held_out_all(recs, gk, timing)
+                rule = choose_rule(scores, row)
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
                                                                  "note", "note_eq10", "note_prefill")},
@@ -180,7 +187,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
                              "rule": rule, "median_ref_err_basic": scores["basic"], "median_ref_err_eq10": scores["eq10"],
-                             "L_hat_rule": row.get(key, np.nan), "P_ne_hat": row.get(f"P_ne_hat_{rule}", np.nan),
+                             "L_hat_rule": row.get(ESTIMATORS[rule], np.nan), "P_ne_hat": row.get(f"P_ne_hat_{rule}", np.nan),
                              "q_L": q[f"q_L_{rule}"], "q_P": q[f"q_P_{rule}"], **q})
     table = pd.DataFrame(rows)
     reference = next(iter(records))

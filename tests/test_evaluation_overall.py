@@ -19,6 +19,7 @@ from nv.overall import combine, results_table, timing_budgets, to_markdown, with
 from nv.phase2.evaluation import calibration, evaluate, held_out, param_estimates
 from nv.phase2.live import load_calibration
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
+from nv.validation import choose_rule, evaluate_timing
 
 BETA, ALPHA, BASE = 2e-12, 0.01, 0.05  # s per unit L ell^2 d, s, the ell = 1 baseline latency (s)
 TIMING = {"platforms": {"inprocess": {"r": 0.1, "trials": 4, "threads": 2, "references": "all"},
@@ -33,7 +34,7 @@ def eq3_by_hand(d, L, V, kv, ffn, tied):
     return (1 if tied else 2) * V * d + L * (2 + 2 * kv + 3 * ffn) * d * d + (2 * L + 1) * d
 
 
-def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4, facts=None):
+def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4, facts=None, alpha=ALPHA):
     """A timing record with K trials per length: Eq. 9's latency k beta L ell^2 d + alpha (the platform factor k
     scales the prefill, not the fixed overhead) plus the baseline, each trial off by +- jitter seconds
     (alternating), so the means are exact and every sigma_T is the same (the fits' weights are equal)."""
@@ -41,7 +42,7 @@ def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4
     sign = np.where(np.arange(trials) % 2, -1.0, 1.0)
     rows = [LengthTimings(BASELINE, [1] * trials, list(BASE + jitter * sign))]
     for e in ell:
-        T = k * BETA * L * e**2 * d + ALPHA
+        T = k * BETA * L * e**2 * d + alpha
         rows.append(LengthTimings(int(e), [int(e)] * trials, list(T + BASE + jitter * sign)))
     stats = summarize(rows, 0.0)
     facts = facts or {"n_heads": d // 64, "n_kv_heads": max(1, d // 256), "d_ffn": 3 * d, "tied": False, "vocab_size": 49152}
@@ -183,6 +184,28 @@ def test_timing_budgets_refit_the_target_at_each_trial_count():
     assert (table.note == "").all() and (table.L_true == 30).all() and (table.d_used == 576).all()
     per_trial = sum(np.round(np.linspace(0.5, 1.5, 10) * 5 * 576).astype(int)) + 1  # tokens of one trial per length
     assert table.timing_tokens.tolist() == [2 * per_trial, 4 * per_trial] * 2
+
+
+def test_the_rule_takes_the_estimator_the_references_favour_unless_it_gives_the_target_no_depth():
+    """References whose fixed overheads differ (alpha from 0.005 to 0.03 s): Eq. 10, with each model's own intercept,
+    is within 1.5 % on them, the basic estimator (one borrowed intercept) over 4 % off, so the rule prefers Eq. 10.
+    A target with a large overhead and a latency that falls with ell (a negative prefill slope) gives Eq. 10 no
+    depth but the basic estimator a positive one: the rule then takes the basic estimator, with its own interval,
+    not a NaN."""
+    family = [(n, L, d, a) for (n, L, d), a in zip(FAMILY, (0.005, 0.03, 0.01, 0.02, 0.015))]
+    def build(timed_L, target_alpha):  # a target of true depth 30 whose timings follow Eq. 2 at depth timed_L
+        recs = [record(n, "reference", L, d, "inprocess", alpha=a) for n, L, d, a in family]
+        target = record("smollm2", "target", timed_L, 576, "inprocess", facts=SMOL, alpha=target_alpha) | {"L": 30}
+        return {"inprocess": recs + [target]}
+    timing = {**TIMING, "platforms": {"inprocess": TIMING["platforms"]["inprocess"]}}
+    normal = evaluate_timing(build(30, ALPHA), timing, [4]).iloc[0]
+    assert normal.median_ref_err_eq10 < 0.015 < 0.04 < normal.median_ref_err_basic
+    assert normal.rule == "eq10" and normal.L_hat_rule == normal.L_hat_eq10 and normal.q_L == normal.q_L_eq10
+    falling = evaluate_timing(build(-5, 0.2), timing, [4]).iloc[0]
+    assert (falling.median_ref_err_eq10, falling.median_ref_err_basic) == (normal.median_ref_err_eq10, normal.median_ref_err_basic)
+    assert np.isnan(falling.L_hat_eq10) and "do not grow with ell^2 d" in falling.note_eq10 and falling.L_hat > 0
+    assert falling.rule == "basic" and falling.L_hat_rule == falling.L_hat and falling.q_L == falling.q_L_basic
+    assert choose_rule({"basic": 0.3, "eq10": 0.1}, {}) == "eq10"  # no depth from either: the references' choice
 
 
 def test_combine_propagates_d_hat_into_L_hat_and_P_hat_as_rerunning_the_fit_would():
