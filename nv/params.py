@@ -85,6 +85,15 @@ class Platforms(EachOf):
 _SHAPE = {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}  # a random-weight reference's shape
 
 
+
+# the timing protocol (§4.2, App. D): one platform's settings, and the rest of params.yaml's timing section; a
+# calibration file copies r, trials and the rest (``check_timing_protocol``)
+_PLATFORM = {"r": _POS_NUM, "trials": (int, lambda v: v >= 2, ">= 2"), "threads": _POS_INT,
+             "references": ((str, list), lambda v: v == "all" or (len(v) > 0 and all(isinstance(x, str) for x in v)),
+                            "'all' or a non-empty list of timing_family names")}
+_PROTOCOL = {"warmups": (int, lambda v: v >= 2, ">= 2 (two calibrate the prompt length)"), "trim": _FRACTION,
+             "n_lengths": (int, lambda v: v >= 2, ">= 2"), "discard": _NONNEG_INT, "kv_ratio": _POS_NUM, "ffn_ratio": _POS_NUM}
+
 SCHEMA: dict[str, dict] = {
     "model": {
         "spec": _STR,
@@ -168,17 +177,7 @@ SCHEMA: dict[str, dict] = {
                        "a non-empty list of 'float32' / 'bfloat16'"),
         "max_rel_error": _POS_NUM,
     },
-    "timing": {
-        "platforms": Platforms({"r": _POS_NUM, "trials": (int, lambda v: v >= 2, ">= 2"), "threads": _POS_INT,
-                                "references": ((str, list), lambda v: v == "all" or (len(v) > 0 and all(isinstance(x, str) for x in v)),
-                                               "'all' or a non-empty list of timing_family names")}),
-        "warmups": (int, lambda v: v >= 2, ">= 2 (two calibrate the prompt length)"),
-        "trim": _FRACTION,
-        "n_lengths": (int, lambda v: v >= 2, ">= 2"),
-        "discard": _NONNEG_INT,
-        "kv_ratio": _POS_NUM,
-        "ffn_ratio": _POS_NUM,
-    },
+    "timing": {"platforms": Platforms(_PLATFORM), **_PROTOCOL},
     "timing_target": {"p_max": _POS_INT, "d_hat": _D_HAT},
     "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper")},
     # nv.oracle.defence: what the provider switches on (null = off)
@@ -229,47 +228,65 @@ def check_section(name: str, section: object) -> dict:
     """Validate one section (recursively) against ``SCHEMA[name]``; return it unchanged."""
     if not isinstance(section, dict):
         raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
-    return _check(name, section, SCHEMA.get(name, {}))
+    _check(name, section, SCHEMA.get(name, {}))
+    if name == "timing":
+        _discard_fits(section, "params")
+    return section
 
 
-def _check(name: str, section: dict, schema: dict) -> dict:
+def check_timing_protocol(values: dict, where: str) -> None:
+    """A copy of the timing protocol (r, trials, warmups, trim, n_lengths, discard, kv_ratio, ffn_ratio; e.g. a
+    calibration file's) against params.yaml's rules for it; a one-line error beginning with ``where``."""
+    _check("timing", values, {"r": _PLATFORM["r"], "trials": _PLATFORM["trials"], **_PROTOCOL}, where)
+    _discard_fits(values, where)
+
+
+def _discard_fits(timing: dict, where: str) -> None:
+    """App. D's fit drops the ``discard`` shortest of ``n_lengths`` lengths and needs two left for a line."""
+    if timing["discard"] > timing["n_lengths"] - 2:
+        raise NVError(f"{where}: 'timing.discard' must be <= n_lengths - 2 = {timing['n_lengths'] - 2} (the fit needs two "
+                      f"lengths), got {timing['discard']}")
+
+
+def _check(name: str, section: dict, schema: dict, where: str = "params") -> dict:
+    """``section`` (``name`` in messages) against ``schema``; a one-line error beginning with ``where``."""
     if isinstance(schema, EachOf):
         if not section:
-            raise NVError(f"params: '{name}' must list at least one entry")
+            raise NVError(f"{where}: '{name}' must list at least one entry")
         bad = [k for k in section if isinstance(schema, Platforms) and k not in Platforms.names]
         if bad:
-            raise NVError(f"params: unknown platform '{name}.{bad[0]}' (known: {', '.join(Platforms.names)})")
+            raise NVError(f"{where}: unknown platform '{name}.{bad[0]}' (known: {', '.join(Platforms.names)})")
         dotted = [k for k in section if isinstance(schema, StageItems) and not re.fullmatch(r"[A-Za-z0-9_-]+", str(k))]
         if dotted:
-            raise NVError(f"params: '{name}.{dotted[0]}': a stage item name may hold only letters, digits, '_' and '-' "
+            raise NVError(f"{where}: '{name}.{dotted[0]}': a stage item name may hold only letters, digits, '_' and '-' "
                           "(DVC reads a dot as nesting); put the model in its 'spec'")
         for key, entry in section.items():
             if not isinstance(entry, dict):
-                raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
-            _check(f"{name}.{key}", entry, schema.schema_for(f"{name}.{key}", entry))
+                raise NVError(f"{where}: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
+            _check(f"{name}.{key}", entry, schema.schema_for(f"{name}.{key}", entry), where)
         return section
     unknown = sorted(map(str, set(section) - set(schema))) if schema else []
     if unknown:
-        raise NVError(f"params: unknown key '{name}.{unknown[0]}' (known: {', '.join(schema)})")
+        raise NVError(f"{where}: unknown key '{name}.{unknown[0]}' (known: {', '.join(schema)})")
     for key, rule_ in schema.items():
         if key not in section:
-            raise NVError(f"params: missing key '{name}.{key}'")
+            raise NVError(f"{where}: missing key '{name}.{key}'")
         value = section[key]
         if isinstance(rule_, dict):
             if not isinstance(value, dict):
-                raise NVError(f"params: '{name}.{key}' must be a mapping, got {type(value).__name__}")
-            _check(f"{name}.{key}", value, rule_)
+                raise NVError(f"{where}: '{name}.{key}' must be a mapping, got {type(value).__name__}")
+            _check(f"{name}.{key}", value, rule_, where)
             continue
         types, ok, rule = rule_
         # bool is an int subclass: never accept it where a number is expected
         if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")
+            raise NVError(f"{where}: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")
         if not isinstance(value, types):
-            raise NVError(f"params: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} {value!r}")
+            raise NVError(f"{where}: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} {value!r}")
         if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf and .nan: no setting means them
-            raise NVError(f"params: '{name}.{key}' must be a finite number, got {value!r}")
+            raise NVError(f"{where}: '{name}.{key}' must be a finite number, got {value!r}")
         if ok is not None and not ok(value):
-            raise NVError(f"params: '{name}.{key}' must be {rule}, got {value!r}")
+            raise NVError(f"{where}: '{name}.{key}' must be {rule}, got {value!r}")
     return section
 
 

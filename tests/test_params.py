@@ -96,6 +96,7 @@ def test_stage_cli_one_line_error_no_traceback(tmp_path, params, root):
          r"'timing_family.bad' must have exactly the keys \{d, L, n_kv_heads, d_ffn\} or \{spec\} or \{d, L, n_kv_heads, d_ffn, head_dim\}"),
         (lambda p: p["timing_family"]["ref-384x12"].update(d=0), "'timing_family.ref-384x12.d' must be >= 1"),
         (lambda p: p["timing_target"].update(d_hat="guess"), "'timing_target.d_hat' must be 'phase1' or an int"),
+        (lambda p: p["timing"].update(n_lengths=5, discard=4), r"'timing.discard' must be <= n_lengths - 2 = 3 \(the fit needs two"),
     ],
 )
 def test_timing_sections_are_checked(tmp_path, params, edit, message):
