@@ -1,8 +1,10 @@
-"""nv.validation's intervals on synthetic estimates: each estimator's split-conformal interval and their hull."""
+"""nv.validation's intervals on synthetic estimates (each estimator's split-conformal interval and their hull), and the
+validation figures (nv.plots.validation) checked by what they draw."""
 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from nv.validation import _conformal, hull
 
@@ -37,3 +39,87 @@ def test_the_hull_covers_a_target_that_only_one_estimator_gets_right():
     assert not basic * np.exp(-q_basic) <= L_true <= basic * np.exp(q_basic)
     lo, hi = hull([np.array([basic]), np.array([eq10])], [np.array([q_basic]), np.array([q_eq10])])
     assert lo[0] <= L_true <= hi[0]
+
+
+# -- the validation figures (nv.plots.validation): what they draw, on a table of known errors ---------------------
+
+
+def _lines(ax, marker):
+    return [line for line in ax.get_lines() if line.get_marker() == marker and len(line.get_xdata())]
+
+
+def _legible(fig) -> None:
+    """No two visible tick labels of one axis overlap (the issue's overlapping x ticks), on the drawn figure."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            ticks = [*axis.get_major_ticks(), *axis.get_minor_ticks()]
+            boxes = [t.label1.get_window_extent(renderer) for t in ticks
+                     if t.label1.get_visible() and t.label1.get_text() and lo <= t.get_loc() <= hi]
+            assert len(boxes) >= 2 or axis is ax.yaxis, ax.get_title()  # a shared y axis shows its labels once
+            assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), (ax.get_title(), axis)
+
+
+def test_d_vs_budget_draws_a_failure_as_a_failure():
+    """Fig. validation on two models: saturated budgets at their signed errors, unsaturated ones as red crosses in
+    the band above the axes (never on the 0 % line, where a reader takes them for exact), the robust lower bounds
+    as triangles at their own errors, the bold mean over the models saturated at each N."""
+    from nv.plots.validation import d_vs_budget
+
+    rows = []
+    for model, d, said in (("small", 576, {10**4: (None, 300), 10**5: (570, None), 3 * 10**5: (576, None)}),
+                           ("wide", 896, {10**4: (None, 100), 10**5: (None, 500), 3 * 10**5: (895, None)})):
+        for N, (raw, bound) in said.items():
+            for method in ("robust", "paper"):
+                rows.append({"model": model, "method": method, "N": N, "d_true": d, "d_hat_raw": raw, "lower_bound": bound,
+                             "saturated": raw is not None})
+    phase1 = pd.DataFrame(rows)
+    fig = d_vs_budget(phase1)
+    ax = fig.axes[0]
+    assert ax.get_title() == "robust estimator"
+    points = {tuple(line.get_xdata()): list(line.get_ydata()) for line in _lines(ax, "o")}
+    assert points == {(10**5, 3 * 10**5): [100 * (570 - 576) / 576, 0.0], (3 * 10**5,): [100 * (895 - 896) / 896]}
+    crosses = _lines(ax, "X")
+    assert sorted(x for line in crosses for x in line.get_xdata()) == [10**4, 10**4, 10**5]
+    assert all(y == 115 for line in crosses for y in line.get_ydata())  # in the band above the plotted errors
+    assert ax.get_ylim()[0] < 0 < 115 < ax.get_ylim()[1]
+    bounds = sorted((x, y) for line in _lines(ax, "v") for x, y in zip(line.get_xdata(), line.get_ydata()))
+    assert bounds == sorted([(10**4, 100 * (300 - 576) / 576), (10**4, 100 * (100 - 896) / 896), (10**5, 100 * (500 - 896) / 896)])
+    (mean,) = _lines(ax, "_")
+    assert list(mean.get_xdata()) == [10**5, 3 * 10**5]
+    assert np.allclose(mean.get_ydata(), [100 * 6 / 576, 100 * (0 + 1 / 896) / 2])
+    assert not _lines(fig.axes[1], "v")  # the paper estimator gives no lower bound
+    _legible(fig)
+
+
+def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero():
+    """Fig. err_d_L_N and Fig. L_param_err_budget: |error| per model at its budgets, a case without an estimate as a
+    red cross at 105 % (the band), the bold mean over the models at their k-th budget; only setup F on the
+    reference platform."""
+    from nv.plots.validation import L_param_err_budget, err_d_L_N
+
+    rows = []
+    for model, errs in (("small", [(None, None, None), (0.0, 0.1, -0.2), (0.0, -0.05, 0.1)]),
+                        ("wide", [(None, None, None), (None, None, None), (-0.001, 0.3, 0.2)])):
+        for k, (d_err, L_err, P_err) in enumerate(errs):
+            for setup, platform in (("F", "inprocess"), ("all", "inprocess"), ("F", "llamacpp")):
+                rows.append({"model": model, "setup": setup, "platform": platform, "tokens": 10.0 ** (9 + k), "calls": 10.0 ** (7 + k),
+                             "usd": 10.0 ** k, "d_err": d_err, "L_err": L_err, "P_err": P_err})
+    cases = pd.DataFrame(rows).astype({"d_err": float, "L_err": float, "P_err": float})
+    fig = err_d_L_N(cases, "inprocess")
+    for ax, what in zip(fig.axes, "dLP"):
+        points = {tuple(line.get_xdata()): list(line.get_ydata()) for line in _lines(ax, "o")}
+        small = cases[(cases.model == "small") & (cases.setup == "F") & (cases.platform == "inprocess")]
+        assert np.allclose(points[(1e10, 1e11)], 100 * small[f"{what}_err"].abs().iloc[1:])
+        assert np.allclose(points[(1e11,)], 100 * abs(cases[(cases.model == "wide")][f"{what}_err"].iloc[-1]))
+        crosses = sorted((x, y) for line in _lines(ax, "X") for x, y in zip(line.get_xdata(), line.get_ydata()))
+        assert crosses == [(1e9, 105), (1e9, 105), (1e10, 105)]
+        (mean,) = _lines(ax, "_")  # both models' first estimate (1e10 and 1e11): their mean budget and error
+        assert np.allclose(mean.get_xdata(), [(1e10 + 1e11) / 2])
+    _legible(fig)
+    fig = L_param_err_budget(cases, "inprocess", 0.6)
+    assert [ax.get_xlabel() for ax in fig.axes] == ["API calls", "cost (USD at $0.6 per million tokens)"] * 2
+    assert sorted(x for line in _lines(fig.axes[0], "X") for x in line.get_xdata()) == [1e7, 1e7, 1e8]
+    _legible(fig)
