@@ -35,7 +35,7 @@ def _writable(folder: Path) -> Path:
 
 
 def defence_overrides(section: dict, pairs: list[str]) -> dict:
-    """params.yaml's ``defence`` section with ``KEY=VALUE`` overrides (VALUE read as YAML: 1, 0.5, bf16, null)."""
+    """params.yaml's ``defence`` section with ``KEY=VALUE`` overrides (VALUE read as YAML: 1, 0.5, 1e-5, bf16, null)."""
     import yaml
 
     section = dict(section)
@@ -45,10 +45,16 @@ def defence_overrides(section: dict, pairs: list[str]) -> dict:
             raise NVError(f"--defence takes KEY=VALUE, got {pair!r}")
         if key not in section:
             raise NVError(f"unknown --defence key {key!r} (known: {', '.join(section)})")
+        if not text.strip():
+            raise NVError(f"--defence {key}= needs a value (null switches the knob off)")
         try:
-            section[key] = yaml.safe_load(text)
+            value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise NVError(f"--defence {key}: cannot read the value {text!r}") from None
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            section[key] = float(value) if isinstance(value, str) else value
+        except ValueError:
+            section[key] = value
     return section
 
 
@@ -75,7 +81,7 @@ def attack(args: argparse.Namespace) -> int:
     out = _writable(Path(args.out))
     # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
     from nv.oracle import Simulator
-    from nv.oracle.defence import Defence, DefendedOracle
+    from nv.oracle.defence import TIMING_KNOBS, Defence, DefendedOracle
     from nv.phase1.pipeline import run
 
     if args.quiet:  # transformers' own bars (loading the weights) too
@@ -84,6 +90,10 @@ def attack(args: argparse.Namespace) -> int:
         transformers_logging.disable_progress_bar()
 
     defence = Defence(**overrides)
+    timed = [k for k in TIMING_KNOBS if getattr(defence, k) is not None]
+    if timed:
+        raise NVError(f"defence {timed[0]}: a timing defence, and a simulated attack times nothing (phase 1 only): the "
+                      "defences stage sweeps it on timing records, `nv defend` serves it")
     model = {**params["model"], "spec": args.simulate}
     simulator = Simulator.from_params(model)
     oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
@@ -143,7 +153,7 @@ def defend(args: argparse.Namespace) -> int:
     from nv.oracle.defence_proxy import serve
 
     params = load_params(args.params, ["defence"])
-    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), params["seed"])
+    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), params["seed"], args.timeout)
     return 0
 
 
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, required=True, metavar="P", help="port of the defended endpoint on 127.0.0.1")
     d.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable")
+    d.add_argument("--timeout", type=_positive, default=600.0, metavar="S",
+                   help="seconds to wait for the upstream's reply before answering 504 (default 600)")
     d.add_argument("--params", default="params.yaml", help="params file (sections defence and seed)")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
     return run_main(lambda: attack(args) if args.command == "attack" else defend(args))

@@ -43,7 +43,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from nv.errors import NVError
-from nv.oracle.defence import Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
+from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
 from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.prune import greedy_prune
@@ -53,7 +53,6 @@ from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 
 LOGPROB_KNOBS = ("round_decimals", "round_format", "noise_sigma", "min_logprob", "top_k", "top_p", "min_p")
-TIMING_KNOBS = ("latency_quantum_ms", "delay_uniform_ms", "delay_exp_ms", "pad_to_tokens")
 TENFOLD = 10
 
 

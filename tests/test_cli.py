@@ -113,6 +113,9 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         (["--simulate", "embedded", "--dry-run", "--budget-tokens", "1000", "--params", str(params)],
          "--budget-tokens, --dry-run: apply to --base-url only"),
         (["--simulate", "embedded", "--journal", "j.jsonl", "--params", str(params)], "--journal: applies to --base-url only"),
+        # a timing defence on an attack that times nothing: refused, not recorded as applied
+        (["--simulate", "embedded", "--defence", "delay_uniform_ms=1e5", "--params", str(params), "--out", str(tmp_path / "t")],
+         "defence delay_uniform_ms: a timing defence, and a simulated attack times nothing"),
         (["--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--timing-k", "2", "--params", str(params), "--dry-run"],
          "--timing-k: phase 2's options, they need --timing-calibration FILE"),
     ]

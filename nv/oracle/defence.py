@@ -56,6 +56,7 @@ FORMATS = {
     "bf16": (7, -126, (2 - 2.0**-7) * 2.0**127, False),
     "fp8_e4m3": (3, -6, 448.0, True),
 }
+TIMING_KNOBS = ("latency_quantum_ms", "delay_uniform_ms", "delay_exp_ms", "pad_to_tokens")  # act on timed calls only
 PAD_FILLER = " ."
 _NOISE, _ARGMAX, _TIMING = 0, 1, 2  # seed streams
 

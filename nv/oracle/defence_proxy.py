@@ -1,18 +1,23 @@
 """``nv defend``: the defence layer as an OpenAI-compatible reverse proxy on 127.0.0.1, in front of any server
 (vLLM, llama.cpp, a provider), for providers who want to try a setting and for tests that attack a defended server.
 
-Every request is forwarded upstream; ``/v1/chat/completions`` and ``/v1/completions`` are defended with the same
-knobs and the same pure functions as ``DefendedOracle`` (``nv.oracle.defence``):
+Requests go to ``--upstream`` + the client's path. A POST to a completion route (a path ending in ``/completions``:
+``/v1/completions``, ``/v1/chat/completions`` and their aliases) is defended with the same knobs and the same pure
+functions as ``DefendedOracle`` (``nv.oracle.defence``):
 
-- request side: ``max_temperature`` caps the request's temperature; ``top_k``/``top_p``/``min_p`` are set on it
-  (the server's own truncated sampling);
-- reply side: each returned log-prob (the sampled token's and any ``top_logprobs``) gets fresh N(0, sigma^2)
-  noise, then ``round_format`` and ``round_decimals``; one below ``min_logprob`` is returned as null;
+- request side: ``max_temperature`` caps the request's temperature (an absent one is OpenAI's default, 1);
+  ``top_k``/``top_p``/``min_p`` are set on it, or kept where the client asked for stricter truncation;
+- reply side: each returned log-prob (the sampled token's, ``top_logprobs``, vLLM's ``prompt_logprobs``) gets
+  N(0, sigma^2) noise, one draw per (choice, position, token) and reply, so a token listed twice carries one value;
+  then ``round_format`` and ``round_decimals``; one below ``min_logprob`` is returned as null;
 - timing: the reply waits out ``delay_uniform_ms`` / ``delay_exp_ms`` and then until the elapsed time is a
   multiple of ``latency_quantum_ms``.
 
-``pad_to_tokens`` needs the served model's tokenizer, which a proxy does not have: refused, as for the HTTP oracle.
-Other paths (``/v1/models``, ``/health``) pass through unchanged.
+What the proxy cannot defend it refuses instead of passing on: a streamed request (400), a POST to any other route
+(403: it might return log-probs in a shape the proxy does not know), an upstream reply to a completion that is not a
+JSON object (502). ``pad_to_tokens`` needs the served model's tokenizer, which a proxy does not have: refused, as
+for the HTTP oracle. GET requests (``/v1/models``, ``/health``) pass through unchanged. Credentials in
+``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into output.
 """
 
 from __future__ import annotations
@@ -20,63 +25,93 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import time
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
 from aiohttp import web
+from multidict import CIMultiDict
 
 from nv.errors import NVError
 from nv.oracle.defence import Defence, http_truncation_fields, quantise
+from nv.oracle.http import split_credentials
 
-DEFENDED = ("/v1/chat/completions", "/v1/completions")
-HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+PASSED = ("GET", "HEAD", "OPTIONS")
+# the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+STRICTER = {"top_k": lambda mine, theirs: min(mine, theirs) if mine > 0 else theirs, "top_p": min, "min_p": max}
 
 
-def check_upstream(url: str) -> str:
-    """The upstream base URL (scheme and host, no path), or a one-line error."""
+def check_upstream(url: str) -> tuple[str, dict]:
+    """(the upstream root the client's paths are appended to, credentials removed; the header that carries them),
+    or a one-line error."""
+    public, auth = split_credentials(url)
     try:
-        u = urlparse(url)
+        u = urlsplit(public)
         ok = u.scheme in ("http", "https") and u.hostname and u.port != 0  # .port checks the range
     except ValueError:  # e.g. an unclosed IPv6 bracket
         ok = False
     if not ok:
-        raise NVError(f"--upstream must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
-    return f"{u.scheme}://{u.netloc}"
+        raise NVError(f"--upstream must be an http(s) URL such as http://127.0.0.1:8080, got {public!r}")
+    root = f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}"
+    if root.endswith("/v1"):
+        raise NVError(f"--upstream is the server's root, without /v1 (the proxy appends the client's /v1/... path): "
+                      f"give {root.removesuffix('/v1')}")
+    return root, auth
 
 
 def defend_request(body: dict, defence: Defence) -> dict:
-    """The request as the provider serves it: temperature capped, the truncation fields set."""
+    """The request as the provider serves it: the temperature capped (an absent one taken as OpenAI's default 1),
+    the truncation fields set, or the client's kept where stricter."""
     body = dict(body)
-    if defence.max_temperature is not None and body.get("temperature", 1.0) > defence.max_temperature:
+    t = body.get("temperature")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+        raise NVError(f"'temperature' must be a number, got {t!r}")
+    if defence.max_temperature is not None and (1.0 if t is None else t) > defence.max_temperature:
         body["temperature"] = defence.max_temperature
-    return body | http_truncation_fields(defence)
-
-
-def _value(y, defence: Defence, rng: np.random.Generator):
-    if y is None:
-        return None
-    if defence.min_logprob is not None and y < defence.min_logprob:
-        return None
-    if defence.noise_sigma:
-        y = y + defence.noise_sigma * rng.standard_normal()
-    return float(quantise(np.array([y], dtype=np.float64), defence)[0])
+    for key, value in http_truncation_fields(defence).items():
+        mine = body.get(key)
+        number = isinstance(mine, (int, float)) and not isinstance(mine, bool)
+        body[key] = STRICTER[key](mine, value) if number else value
+    return body
 
 
 def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dict:
     """Every log-prob of a chat or completions reply, as the defended API returns it."""
-    for choice in reply.get("choices", []):
+    noise: dict[tuple, float] = {}
+
+    def value(y, key: tuple):
+        if y is None or (defence.min_logprob is not None and y < defence.min_logprob):
+            return None
+        if defence.noise_sigma:
+            y = y + noise.setdefault(key, defence.noise_sigma * rng.standard_normal())
+        return float(quantise(np.array([y], dtype=np.float64), defence)[0])
+
+    def prompt_logprobs(positions, where: tuple) -> None:  # vLLM: [None | {token_id: {logprob, rank, decoded_token}}]
+        for i, top in enumerate(positions or []):
+            for token, entry in (top or {}).items():
+                if isinstance(entry, dict):
+                    entry["logprob"] = value(entry.get("logprob"), (*where, i, token))
+
+    prompt_logprobs(reply.get("prompt_logprobs"), ("prompt",))
+    for c, choice in enumerate(reply.get("choices") or []):
+        prompt_logprobs(choice.get("prompt_logprobs"), ("prompt", c))
         lp = choice.get("logprobs")
         if not isinstance(lp, dict):
             continue
-        for entry in lp.get("content") or []:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
-            entry["logprob"] = _value(entry.get("logprob"), defence, rng)
-            for top in entry.get("top_logprobs") or []:
-                top["logprob"] = _value(top.get("logprob"), defence, rng)
-        if lp.get("token_logprobs") is not None:  # completions: token_logprobs, top_logprobs [{token: logprob}]
-            lp["token_logprobs"] = [_value(y, defence, rng) for y in lp["token_logprobs"]]
-            lp["top_logprobs"] = [{t: _value(y, defence, rng) for t, y in (top or {}).items()} for top in lp.get("top_logprobs") or []]
+        for part in ("content", "refusal"):  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+            for i, entry in enumerate(lp.get(part) or []):
+                entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("token")))
+                for top in entry.get("top_logprobs") or []:
+                    top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("token")))
+        if lp.get("token_logprobs") is not None:  # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]
+            tokens = lp.get("tokens") or [None] * len(lp["token_logprobs"])
+            lp["token_logprobs"] = [value(y, (c, "text", i, t)) for i, (t, y) in enumerate(zip(tokens, lp["token_logprobs"]))]
+            lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in (top or {}).items()}
+                                  for i, top in enumerate(lp.get("top_logprobs") or [])]
     return reply
 
 
@@ -90,43 +125,70 @@ def added_delay_s(defence: Defence, rng: np.random.Generator) -> float:
     return ms / 1000.0
 
 
-def make_app(upstream: str, defence: Defence, seed: int) -> web.Application:
-    """The aiohttp application of the proxy (``serve`` runs it; tests run it in a thread)."""
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": f"nv defend: {message}"}}, status=status)
+
+
+def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.0) -> web.Application:
+    """The aiohttp application of the proxy (``serve`` runs it; the tests run it beside a fake upstream)."""
     if defence.pad_to_tokens is not None:
         raise NVError("pad_to_tokens needs the served model's tokenizer: the proxy cannot honour it")
-    base = check_upstream(upstream)
+    base, auth = check_upstream(upstream)
     rng = np.random.default_rng(seed)
 
     async def client(app):
-        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        app[SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
         yield
-        await app["session"].close()
+        await app[SESSION].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
         data = await request.read()
-        defended = request.method == "POST" and request.path in DEFENDED
+        defended = request.method not in PASSED
         if defended:
+            if not request.path.rstrip("/").endswith("/completions"):
+                return _error(403, f"only completion routes (POST .../completions) are forwarded, not {request.method} "
+                                   f"{request.path}: another route could return log-probs undefended")
             try:
-                data = json.dumps(defend_request(json.loads(data), defence)).encode()
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                return web.json_response({"error": {"message": "the request body is not a JSON object"}}, status=400)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+                body = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return _error(400, "the request body is not JSON")
+            if not isinstance(body, dict):
+                return _error(400, "the request body is not a JSON object")
+            if body.get("stream"):
+                return _error(400, "streamed replies are not defended: send \"stream\": false")
+            try:
+                data = json.dumps(defend_request(body, defence)).encode()
+            except NVError as exc:
+                return _error(400, str(exc))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and not (auth and k.lower() == "authorization")}
         try:
-            async with request.app["session"].request(request.method, base + request.path_qs, data=data, headers=headers) as up:
+            path = request.path.rstrip("/") if defended else request.path  # no redirect for a trailing slash
+            url = base + path + (f"?{request.query_string}" if request.query_string else "")
+            async with request.app[SESSION].request(request.method, url, data=data, headers=headers | auth) as up:
                 body, status = await up.read(), up.status
-                kind = up.headers.get("Content-Type", "application/json")
+                passed = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in HOP)
+        except asyncio.TimeoutError:
+            return _error(504, f"upstream {base} did not answer within {timeout_s:g} s")
         except aiohttp.ClientError as exc:
-            return web.json_response({"error": {"message": f"upstream {base} unreachable: {exc}"}}, status=502)
+            return _error(502, f"upstream {base} unreachable: {exc or type(exc).__name__}")
         if defended and status == 200:
-            body = json.dumps(defend_reply(json.loads(body), defence, rng)).encode()
+            try:
+                reply = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                reply = None
+            if not isinstance(reply, dict):
+                return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
+                                   "not passed on undefended")
+            body = json.dumps(defend_reply(reply, defence, rng)).encode()
+            passed["Content-Type"] = "application/json"
             wait = added_delay_s(defence, rng)
             if defence.latency_quantum_ms is not None:
                 q = defence.latency_quantum_ms / 1000.0
                 elapsed = time.monotonic() - start + wait
                 wait += math.ceil(elapsed / q) * q - elapsed
             await asyncio.sleep(wait)
-        return web.Response(body=body, status=status, content_type=kind.split(";")[0])
+        return web.Response(body=body, status=status, headers=passed)
 
     app = web.Application(client_max_size=64 * 2**20)
     app.cleanup_ctx.append(client)
@@ -134,14 +196,17 @@ def make_app(upstream: str, defence: Defence, seed: int) -> web.Application:
     return app
 
 
-def serve(upstream: str, port: int, defence: Defence, seed: int) -> None:
+def serve(upstream: str, port: int, defence: Defence, seed: int, timeout_s: float = 600.0) -> None:
     """Run the proxy on 127.0.0.1:``port`` until interrupted."""
     if not 1 <= port <= 65535:
         raise NVError(f"--port must be in 1..65535, got {port}")
-    app = make_app(upstream, defence, seed)
-    active = {k: v for k, v in defence.as_dict().items() if v is not None}
-    print(f"nv defend: http://127.0.0.1:{port} -> {check_upstream(upstream)}, defence {active or 'none'}", flush=True)
+    app = make_app(upstream, defence, seed, timeout_s)
+    sock = socket.socket()
     try:
-        web.run_app(app, host="127.0.0.1", port=port, print=None)
+        sock.bind(("127.0.0.1", port))
     except OSError as exc:
+        sock.close()
         raise NVError(f"cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
+    active = {k: v for k, v in defence.as_dict().items() if v is not None}
+    print(f"nv defend: http://127.0.0.1:{port} -> {check_upstream(upstream)[0]}, defence {active or 'none'}", flush=True)
+    web.run_app(app, sock=sock, print=None)

@@ -1,0 +1,202 @@
+"""``nv defend`` (nv.oracle.defence_proxy) between a client and a fake upstream, both real aiohttp servers on
+127.0.0.1: which routes are defended, what is refused rather than passed on undefended, the request rewriting, the
+reply's log-probs in every shape the proxy knows, credentials, timeouts and headers. The fake upstream stands in
+for reply shapes the bundled llama.cpp server does not produce (vLLM's prompt_logprobs, a broken reply, a hang);
+tests/test_live_endpoint.py puts the proxy in front of the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from nv.cli import defence_overrides
+from nv.errors import NVError
+from nv.models.llama_server import free_port
+from nv.oracle.defence import Defence
+from nv.oracle.defence_proxy import check_upstream, defend_request, make_app
+
+RAW = -1.533190369606018
+CHAT = {"choices": [{"logprobs": {"content": [{"token": "a", "logprob": RAW, "top_logprobs": [
+    {"token": "a", "logprob": RAW}, {"token": "b", "logprob": -2.25}]}]}}]}
+TEXT = {"choices": [{"prompt_logprobs": [None, {"17": {"logprob": -3.14159, "rank": 1, "decoded_token": "x"}}],
+                     "logprobs": {"tokens": ["a"], "token_logprobs": [RAW], "top_logprobs": [{"a": RAW, "b": -2.25}]}}]}
+
+
+def upstream_app(seen: list) -> web.Application:
+    """Records every request; answers by path: completions and chat replies, a non-JSON or list 200, a 429 with
+    Retry-After, a reply after 2 s."""
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.append({"method": request.method, "path": request.path, "headers": dict(request.headers),
+                     "json": json.loads(body) if body else None})
+        path = request.path
+        if path.endswith("/broken/completions"):
+            return web.Response(text="<html>oops</html>", content_type="text/html")
+        if path.endswith("/list/completions"):
+            return web.json_response([1, 2])
+        if path.endswith("/busy/completions"):
+            return web.json_response({"error": "slow down"}, status=429, headers={"Retry-After": "7"})
+        if path.endswith("/slow/completions"):
+            await asyncio.sleep(2)
+        if path.endswith("/models"):
+            return web.json_response({"data": [{"id": "m"}]})
+        return web.json_response(json.loads(json.dumps(CHAT if "chat" in path else TEXT)))
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: str = "", credentials: str = "",
+             timeout_s: float = 30.0) -> tuple[list, list]:
+    """Start the fake upstream and the proxy in front of it, send ``requests`` (method, path, JSON body or raw
+    bytes) through the proxy; returns the (status, headers, body) replies and what the upstream saw."""
+    seen: list = []
+
+    async def main():
+        up_port, proxy_port = free_port(), free_port()
+        runners = []
+        for app, port in ((upstream_app(seen), up_port),
+                          (make_app(f"http://{credentials}127.0.0.1:{up_port}{prefix}", defence, 0, timeout_s), proxy_port)):
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        replies = []
+        try:
+            async with aiohttp.ClientSession() as client:
+                for method, path, body in requests:
+                    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+                    async with client.request(method, f"http://127.0.0.1:{proxy_port}{path}", **kwargs) as r:
+                        text = await r.text()
+                        try:
+                            payload = json.loads(text)
+                        except json.JSONDecodeError:
+                            payload = text
+                        replies.append((r.status, dict(r.headers), payload))
+        finally:
+            for runner in reversed(runners):
+                await runner.cleanup()
+        return replies
+
+    return asyncio.run(main()), seen
+
+
+def test_every_completion_route_is_defended_and_any_other_post_is_refused():
+    """The aliases and the trailing slash that used to pass raw log-probs are defended (the trailing slash reaches the
+    upstream without it: no redirect around the proxy); a POST elsewhere is refused; GET passes through."""
+    paths = ["/v1/completions", "/v1/completions/", "/v1/engines/copilot-codex/completions"]
+    replies, seen = exchange(Defence(round_decimals=1), [("POST", p, {"prompt": "x"}) for p in paths]
+                             + [("POST", "/v1/chat/completions", {"messages": []}), ("POST", "/tokenize", {"content": "x"}),
+                                ("GET", "/v1/models", None)])
+    for status, _, body in replies[:3]:
+        lp = body["choices"][0]["logprobs"]
+        assert status == 200 and lp["token_logprobs"] == [-1.5] and lp["top_logprobs"] == [{"a": -1.5, "b": -2.2}]
+        assert body["choices"][0]["prompt_logprobs"][1]["17"] == {"logprob": -3.1, "rank": 1, "decoded_token": "x"}
+    status, _, chat = replies[3]
+    entry = chat["choices"][0]["logprobs"]["content"][0]
+    assert status == 200 and entry["logprob"] == -1.5 and [t["logprob"] for t in entry["top_logprobs"]] == [-1.5, -2.2]
+    status, _, refused = replies[4]
+    assert status == 403 and "only completion routes" in refused["error"]["message"]
+    assert replies[5][0] == 200 and replies[5][2] == {"data": [{"id": "m"}]}
+    assert [s["path"] for s in seen] == ["/v1/completions", "/v1/completions", "/v1/engines/copilot-codex/completions",
+                                         "/v1/chat/completions", "/v1/models"]  # the refused POST never left the proxy
+
+
+def test_what_cannot_be_defended_is_refused_with_a_message():
+    cases = [("/v1/completions", {"prompt": "x", "stream": True}, 400, "streamed replies are not defended"),
+             ("/v1/completions", ["abc"], 400, "not a JSON object"),
+             ("/v1/completions", b"{not json", 400, "not JSON"),
+             ("/v1/completions", {"prompt": "x", "temperature": "2"}, 400, "'temperature' must be a number, got '2'"),
+             ("/v1/broken/completions", {"prompt": "x"}, 502, "something other than a JSON object"),
+             ("/v1/list/completions", {"prompt": "x"}, 502, "something other than a JSON object")]
+    replies, seen = exchange(Defence(round_decimals=1), [("POST", path, body) for path, body, _, _ in cases])
+    for (status, _, body), (path, _, want, message) in zip(replies, cases):
+        assert status == want and message in body["error"]["message"] and body["error"]["message"].startswith("nv defend: "), path
+    assert len(seen) == 2  # only the two the upstream had to answer
+
+
+def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncation():
+    defence = Defence(max_temperature=0.5, top_k=50, top_p=0.9, min_p=0.05)
+    assert defend_request({}, defence) == {"temperature": 0.5, "top_k": 50, "top_p": 0.9, "min_p": 0.05}  # absent: 1, capped
+    assert defend_request({"temperature": None}, defence)["temperature"] == 0.5
+    assert defend_request({"temperature": 0.3}, defence)["temperature"] == 0.3  # under the cap: the client's
+    strict = defend_request({"temperature": 2, "top_k": 1, "top_p": 0.5, "min_p": 0.2}, defence)
+    assert strict == {"temperature": 0.5, "top_k": 1, "top_p": 0.5, "min_p": 0.2}  # the client's stricter truncation kept
+    loose = defend_request({"top_k": 0, "top_p": 1.0, "min_p": 0.0}, defence)  # top_k 0: off (llama.cpp, vLLM -1)
+    assert (loose["top_k"], loose["top_p"], loose["min_p"]) == (50, 0.9, 0.05)
+    assert defend_request({"top_k": 100}, Defence(top_k=50))["top_k"] == 50
+    assert defend_request({"temperature": 0.8}, Defence()) == {"temperature": 0.8}  # no knob: untouched
+    with pytest.raises(NVError, match="'temperature' must be a number, got True"):
+        defend_request({"temperature": True}, defence)
+
+
+def test_noise_is_one_draw_per_token_and_reply():
+    """The sampled token is also in top_logprobs: both carry one noisy value (two independent draws would halve the
+    noise's variance for an attacker averaging them); other tokens and the next reply get fresh draws."""
+    replies, _ = exchange(Defence(noise_sigma=0.5), [("POST", "/v1/chat/completions", {"messages": []})] * 2
+                          + [("POST", "/v1/completions", {"prompt": "x"})])
+    values = []
+    for _, _, body in replies[:2]:
+        entry = body["choices"][0]["logprobs"]["content"][0]
+        top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+        assert entry["logprob"] == top["a"] != RAW and top["b"] != -2.25
+        values.append(entry["logprob"])
+    assert values[0] != values[1]
+    lp = replies[2][2]["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] == lp["top_logprobs"][0]["a"] != RAW
+
+
+def test_credentials_prefix_timeout_and_headers():
+    """Credentials in --upstream reach the upstream as a Basic header and no reply; a path prefix is kept; a hang
+    ends in a 504 after the timeout; a 429's Retry-After reaches the client."""
+    replies, seen = exchange(Defence(round_decimals=1), [("POST", "/v1/completions", {"prompt": "x"}),
+                                                         ("POST", "/v1/busy/completions", {"prompt": "x"}),
+                                                         ("POST", "/v1/slow/completions", {"prompt": "x"})],
+                             prefix="/openai", credentials="user:s3cret@", timeout_s=0.5)
+    token = base64.b64encode(b"user:s3cret").decode()
+    assert seen[0]["path"] == "/openai/v1/completions" and seen[0]["headers"]["Authorization"] == f"Basic {token}"
+    assert replies[0][0] == 200
+    assert replies[1][0] == 429 and replies[1][1]["Retry-After"] == "7"
+    assert replies[2][0] == 504 and "did not answer within 0.5 s" in replies[2][2]["error"]["message"]
+    assert all("s3cret" not in json.dumps(r[2]) for r in replies)
+    assert check_upstream("http://u:pw@127.0.0.1:9/openai/") == ("http://127.0.0.1:9/openai", {"Authorization": "Basic dTpwdw=="})
+    with pytest.raises(NVError, match="without /v1.*give http://127.0.0.1:9$"):
+        check_upstream("http://127.0.0.1:9/v1")
+    with pytest.raises(NVError, match="got 'ftp://x'") as info:
+        check_upstream("ftp://u:pw@x")
+    assert "pw" not in str(info.value)
+
+
+def test_unreachable_upstream_is_a_502_without_credentials():
+    async def main():
+        port = free_port()
+        runner = web.AppRunner(make_app(f"http://user:s3cret@127.0.0.1:{free_port()}", Defence(round_decimals=1), 0))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    status, body = asyncio.run(main())
+    assert status == 502 and "unreachable" in body["error"]["message"] and "s3cret" not in json.dumps(body)
+
+
+def test_defence_values_on_the_command_line():
+    section = {k: None for k in Defence().as_dict()}
+    got = defence_overrides(section, ["min_p=1e-5", "noise_sigma=3e-2", "latency_quantum_ms=1e3", "round_format=bf16",
+                                      "top_k=5", "top_p=null"])
+    assert (got["min_p"], got["noise_sigma"], got["latency_quantum_ms"]) == (1e-5, 0.03, 1000.0)
+    assert (got["round_format"], got["top_k"], got["top_p"]) == ("bf16", 5, None) and isinstance(got["top_k"], int)
+    with pytest.raises(NVError, match="--defence round_decimals= needs a value"):
+        defence_overrides(section, ["round_decimals="])
+    assert Defence(**got).min_p == pytest.approx(1e-5) and np.isfinite(got["noise_sigma"])
