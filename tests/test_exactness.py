@@ -13,8 +13,8 @@ from matplotlib.colors import to_hex
 
 from nv.errors import NVError
 from nv.phase1.adaptive import next_budget, stopped
-from nv.phase1.exactness import (OUTCOMES, adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact, edge_ratio,
-                                 first, grid, noise_edge, outcome, threshold)
+from nv.phase1.exactness import (GRID_COLUMNS, OUTCOMES, adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact,
+                                 edge_ratio, first, grid, noise_edge, outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
@@ -207,3 +207,14 @@ def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
     assert sorted(set(table.N)) == [1000, 16_000]
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(S, [10**6], SPECTRUM, 0, oracle.rank)
+
+
+def test_a_grid_above_the_sample_is_empty_and_the_stage_says_so(toy):
+    """D or N values all above a sample's own: no cell for that model (an empty table with the grid's columns, not a
+    crash), and no cell for any model is a one-line error naming the params to lower (a KeyError before)."""
+    _, S = toy
+    for D_values, N_values in (([S.D + 1], [300]), ([10], [S.N + 1])):
+        empty = grid(S, D_values, N_values, SPECTRUM, 0, 8, "toy", progress=False)
+        assert empty.empty and list(empty.columns) == GRID_COLUMNS
+    with pytest.raises(NVError, match="no cell of the .D, N. grid fits a sample.*exactness.D_values or N_values"):
+        cheapest_exact(pd.concat([empty, empty], ignore_index=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.phase1.pipeline import common_set
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import collect, load_samples, observed_mask
+from nv.phase1.sampling import collect, iter_shards, load_samples, observed_mask
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -111,6 +112,32 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
     (fresh / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 10}))
     with pytest.raises(NVError, match="shard-0000000.npz is missing or corrupt"):
         load_samples(fresh)
+    (fresh / "manifest.json").write_text(json.dumps(manifest))
+    # whole but wrong inside: an array of the wrong length (seen from its header), values no sample has, a damaged
+    # zip member (found where its values are read): one line naming the shard, no numpy or zipfile traceback
+    shard = fresh / "shard-0000002.npz"
+    good = shard.read_bytes()
+    with np.load(shard) as z:
+        arrays = {k: z[k] for k in z.files}
+    for edit, message in (({"logprobs": arrays["logprobs"][:-3]}, "shard-0000002.npz is missing or corrupt"),
+                          ({"prompt_tokens": arrays["prompt_tokens"][:1]}, "shard-0000002.npz is missing or corrupt"),
+                          ({"logprobs": np.where(np.arange(arrays["logprobs"].size) < 4, np.nan, arrays["logprobs"])},
+                           r"shard-0000002.npz is corrupt \(4 logprobs not finite\): delete it and sample again"),
+                          ({"counts": np.zeros_like(arrays["counts"])}, r"\(\d+ counts below 1\)")):
+        np.savez(shard, **(arrays | edit))
+        for read in (load_samples, lambda f: list(iter_shards(f)[2])):
+            with pytest.raises(NVError, match=message):
+                read(fresh)
+    with zipfile.ZipFile(shard) as z:  # flip bytes inside the log-probs' data: same size, CRC no longer matches
+        info = z.getinfo("logprobs.npy")
+    damaged = bytearray(good)
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
+    damaged[start : start + 16] = bytes(16)
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(NVError, match=r"shard-0000002.npz is corrupt \(Bad CRC-32"):
+        load_samples(fresh)
+    shard.write_bytes(good)
+    assert np.array_equal(load_samples(fresh).logprobs.data, b.logprobs.data)
 
 
 def test_a_full_disk_is_a_one_line_error_and_the_rerun_resumes(lm32, tmp_path, capsys):

@@ -161,7 +161,8 @@ def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.
                 data = json.dumps(defend_request(body, defence)).encode()
             except NVError as exc:
                 return _error(400, str(exc))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and not (auth and k.lower() == "authorization")}
+        dropped = HOP | ({"authorization"} if auth else set())  # credentials from --upstream replace the client's
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in dropped}
         try:
             path = request.path.rstrip("/") if defended else request.path  # no redirect for a trailing slash
             url = base + path + (f"?{request.query_string}" if request.query_string else "")

@@ -20,6 +20,7 @@ import pandas as pd
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
+from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import MANIFEST, SampledMatrix
@@ -68,12 +69,15 @@ def first(S: SampledMatrix, D: int) -> SampledMatrix:
     return SampledMatrix(rows(S.logprobs), rows(S.counts), S.prompt_tokens[:D], S.N, S.temperature)
 
 
+GRID_COLUMNS = ["model", "temperature", "D", "N", "tokens", "calls", "D_prime", "C", "R", "method", "d_hat_raw",
+                "lower_bound", "reason", "outcome", "d_true"]
+
+
 def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int, d_true: int,
          model: str, progress: bool = True) -> pd.DataFrame:
     """One row per (N, D, estimator) of the sample ``S`` (at its temperature): the common set, the estimate, its
     outcome and the cell's cost. Values above S's own D or N are left out."""
-    D_values = sorted(v for v in D_values if v <= S.D)
-    N_values = sorted(v for v in N_values if v <= S.N)
+    D_values, N_values = sorted(v for v in D_values if v <= S.D), sorted(v for v in N_values if v <= S.N)
     rows = []
     bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {S.temperature:g}",
                unit="cell", disable=not progress)
@@ -91,13 +95,16 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
             bar.update()
         thinned = cell = None  # freed before the next N's thinning (the cells are views of it)
     bar.close()
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=GRID_COLUMNS)
 
 
 def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method", "temperature")) -> pd.DataFrame:
     """Tokens to exact: per group the cheapest exact cell, and whether every dearer cell of the group at or above
     both its D and N is exact too (``stays_exact``: the cheapest point is not a lucky draw). A group with no exact
     cell has NaN cost and its best lower bound."""
+    if table.empty:
+        raise NVError("no cell of the (D, N) grid fits a sample: every exactness.D_values or N_values is above the "
+                      "samples' own D or N; lower them")
     rows = []
     for key, g in table.groupby(list(by), sort=True):
         exact = g[g.outcome == "exact"].sort_values(["tokens", "N"])

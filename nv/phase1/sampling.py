@@ -13,7 +13,10 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,17 +123,27 @@ SHARD_FIELDS = {"indptr", "indices", "counts", "logprobs", "prompt_tokens"}
 MANIFEST_INTS = ("N", "chunk", "D", "vocab_size")
 
 
+def _length(z, name: str) -> int:
+    """The length of array ``name`` of an open .npz, from its header alone (its data is not read)."""
+    with z.zip.open(f"{name}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        shape = (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(f)[0]
+    return shape[0] if len(shape) == 1 else -1
+
+
 def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray | None = None) -> int | None:
     """The entries of a whole shard of ``rows`` prompts (only those of ``columns``, a boolean mask over the vocabulary,
-    where given), or None where it is not whole: every array, row pointers from 0 up to its entries, token ids in the
-    vocabulary (ids past it would reach scipy unchecked). One read of the shard's indices checks and counts."""
+    where given), or None where it is not whole: every array of its length (the others' from their headers), row
+    pointers from 0 up to its entries, token ids in the vocabulary (ids past it would reach scipy unchecked). One read
+    of the shard's indices checks and counts; the values are checked where they are read (``_checked``)."""
     try:
         with np.load(path) as z:
             if not SHARD_FIELDS <= set(z.files):
                 return None
             indptr, indices = z["indptr"], z["indices"]
             if not (len(indptr) == rows + 1 and indptr[0] == 0 and bool(np.all(np.diff(indptr) >= 0))
-                    and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size)):
+                    and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size)
+                    and _length(z, "logprobs") == _length(z, "counts") == len(indices) and _length(z, "prompt_tokens") == rows):
                 return None
     except Exception:  # a torn or corrupt shard is recomputed
         return None
@@ -238,7 +251,7 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
               **{k: np.empty(nnz, dtype=dtypes[k]) for k in fields}}
     row = offset = 0
     for path in paths:
-        with np.load(path) as z:
+        with _reading(path) as z:
             indptr, indices = z["indptr"], z["indices"]  # NpzFile reads an array from the file at every access
             keep = slice(None) if columns is None else columns[indices]
             rows = len(indptr) - 1
@@ -247,10 +260,30 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
             size = int(indptr[-1])
             arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
             for k in fields:
-                arrays[k][offset : offset + size] = (indices if k == "indices" else z[k])[keep]
+                arrays[k][offset : offset + size] = (indices if k == "indices" else _checked(path, k, z[k]))[keep]
             arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
         row, offset = row + rows, offset + size
     return meta, arrays
+
+
+@contextmanager
+def _reading(path: Path):
+    """An open shard whose reads fail with one line naming it (a damaged zip member passes the cheap check of
+    ``_shard_entries``, which reads no values, and shows itself only here)."""
+    try:
+        with np.load(path) as z:
+            yield z
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise NVError(f"sampling shard {path} is corrupt ({exc}): delete it and sample again (dvc repro -f sampling, "
+                      "or rerun the attack)") from None
+
+
+def _checked(path: Path, field: str, values: np.ndarray) -> np.ndarray:
+    """A shard's log-probs (finite) or counts (>= 1), or a one-line error naming the shard."""
+    ok = np.isfinite(values) if field == "logprobs" else values >= 1
+    if not ok.all():
+        raise ValueError(f"{np.count_nonzero(~ok)} {field} {'not finite' if field == 'logprobs' else 'below 1'}")
+    return values
 
 
 def observed_mask(folder: str | Path) -> sp.csr_matrix:
@@ -268,11 +301,11 @@ def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.c
     def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]:
         row = 0
         for path in paths:
-            with np.load(path) as z:
+            with _reading(path) as z:
                 indices, indptr = z["indices"], z["indptr"]
                 shape = (len(indptr) - 1, meta["vocab_size"])
-                counts = sp.csr_matrix((z["counts"], indices, indptr), shape=shape)
-                logprobs = sp.csr_matrix((z["logprobs"], indices, indptr), shape=shape)
+                counts = sp.csr_matrix((_checked(path, "counts", z["counts"]), indices, indptr), shape=shape)
+                logprobs = sp.csr_matrix((_checked(path, "logprobs", z["logprobs"]), indices, indptr), shape=shape)
             yield row, counts, logprobs
             row += shape[0]
 
