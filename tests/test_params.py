@@ -156,3 +156,34 @@ def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, 
 def test_sampling_n_may_be_auto(tmp_path, params):
     params["sampling"]["N"] = "auto"
     assert load_params(write(tmp_path, params))["sampling"]["N"] == "auto"
+
+
+def test_every_notebooks_parameter_defaults_are_a_valid_configuration(root, params):
+    """A notebook run on its own defaults (JupyterLab, plain papermill) meets no missing key: each section default is
+    None (a documented switch the stage fills) or passes params.yaml's schema; only an empty set of items (no
+    validation models, no reference family) may stand for the shipped one."""
+    import json
+
+    from nv.params import SCHEMA, EachOf, check_section
+
+    def filled(value, shipped, schema):  # empty item sets replaced by the shipped ones, recursively
+        if isinstance(schema, EachOf):
+            return value or shipped
+        if isinstance(schema, dict) and isinstance(value, dict):
+            return {k: filled(v, (shipped or {}).get(k), schema.get(k)) for k, v in value.items()}
+        return value
+
+    checked = 0
+    for path in sorted((root / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        (cell,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        defaults: dict = {}
+        exec("".join(cell["source"]), defaults)
+        for name, value in defaults.items():
+            if name in SCHEMA and value is not None:
+                try:
+                    check_section(name, filled(value, params[name], SCHEMA[name]))
+                except NVError as exc:
+                    pytest.fail(f"{path.name}: {exc}")
+                checked += 1
+    assert checked >= 40
