@@ -163,6 +163,22 @@ def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
     assert reader.fields["llama.attention.head_count"].contents() == 2
 
 
+def test_a_damaged_cached_reference_gguf_is_written_again(lm32, tmp_path, monkeypatch):
+    """A reference's GGUF in the cache cut short outside nv (it is written atomically) is detected and written again,
+    where it used to be served as it was (llama.cpp's load error on every rerun)."""
+    from nv.phase2 import platforms
+
+    monkeypatch.setattr(platforms, "default_cache_dir", lambda: tmp_path)
+    shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
+    model = platforms.TimedModel("tiny", "reference", random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), 128, 64, 256,
+                                 512, synthetic=True)
+    path = platforms._gguf_for(model, 0)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    model.gguf = None
+    assert platforms._gguf_for(model, 0) == path and path.read_bytes() == whole
+
+
 def _record(name, role, L, d, d_used, beta, alpha, platform, rng, k=1.0):
     """A timing record as time_model writes it, with T from Eq. 2 (times k) plus 1 % noise."""
     ell = np.linspace(0.5, 1.5, 16) * 5 * d

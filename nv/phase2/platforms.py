@@ -19,6 +19,7 @@ import numpy as np
 
 from nv.errors import NVError
 from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, gguf_path, load_model
+from nv.models.packaged import read_gguf
 from nv.oracle import Oracle, Simulator
 from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
 from nv.phase2.protocol import LengthTimings, collect_timings, summarize
@@ -94,6 +95,11 @@ def _gguf_for(model: TimedModel, seed: int) -> Path:
         raise NVError(f"the llamacpp platform serves GGUF files; {model.lm.name} is not one")
     key = hashlib.sha256(json.dumps([model.facts(), seed]).encode()).hexdigest()[:12]
     path = default_cache_dir() / "reference-gguf" / f"{model.name}-{key}.gguf"
+    if path.is_file():
+        try:
+            read_gguf(path)
+        except NVError:  # written atomically, so cut short or damaged outside nv: written again
+            path.unlink()
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_gguf(model.lm, embedded_gguf(), path)
