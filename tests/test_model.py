@@ -47,18 +47,28 @@ def test_model_without_chat_template_falls_back_to_raw(lm32, caplog, monkeypatch
 
 
 def test_corrupt_cache_is_rebuilt(lm32, tmp_path):
-    """The session's cache entry of the embedded model (lm32 built or read it), copied and corrupted, is rebuilt from
-    the GGUF: one dequantisation (~3 min on a degraded machine), not two."""
+    """The session's cache entry of the embedded model (lm32 built or read it), copied and corrupted in place (4 bytes
+    every MB, the size unchanged: it used to load, silently wrong), is rebuilt from the GGUF: one dequantisation
+    (~3 min on a degraded machine), not two."""
+    import torch
+
     from nv.models.loading import _gguf_cache_folder, default_cache_dir
 
     source, gguf = resolve("embedded")
     cached = _gguf_cache_folder("embedded", Path(source) / gguf, default_cache_dir())
     folder = tmp_path / cached.name
-    shutil.copytree(cached, folder)
-    (folder / "model.safetensors").write_bytes(b"garbage")
+    shutil.copytree(cached, folder)  # times kept: the copy's stamp holds
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        for offset in range(2**20, size, 2**20):
+            f.seek(offset)
+            f.write(b"\xff\xff\xff\x7f")
+    assert weights.stat().st_size == size
     again = load_model("embedded", dtype="float32", cache_dir=tmp_path)
     assert again.arch == lm32.arch
-    assert (folder / "model.safetensors").stat().st_size > 10**6
+    for mine, theirs in zip(again.model.parameters(), lm32.model.parameters()):
+        assert torch.equal(mine, theirs)
 
 
 def test_cache_is_float32_and_keyed_by_content(lm32, tmp_path):

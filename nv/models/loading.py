@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import logging
 import os
 import shutil
@@ -155,8 +156,16 @@ def _from_pretrained(source: str, gguf: str | None, dtype: str):
     return model, tokenizer
 
 
+STAMP = "nv-stamp.json"  # a cache entry's files as written (size, modification time): changed since, it is rebuilt
+
+
+def _stamp(folder: Path) -> dict:
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMP}
+
+
 def _write_cache(model, tokenizer, folder: Path) -> bool:
-    """Save a dequantised GGUF model as safetensors, atomically (tmp folder + rename); False if it could not."""
+    """Save a dequantised GGUF model as safetensors with its ``STAMP``, atomically (tmp folder + rename); False if it
+    could not."""
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
@@ -165,6 +174,7 @@ def _write_cache(model, tokenizer, folder: Path) -> bool:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / STAMP).write_text(json.dumps(_stamp(tmp)))
         tmp.rename(folder)
         return True
     except OSError as exc:
@@ -175,10 +185,13 @@ def _write_cache(model, tokenizer, folder: Path) -> bool:
 
 def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
     """(model, tokenizer) of a GGUF file in ``dtype``, read from its float32 cache entry, built on first use; an
-    unreadable entry is rebuilt with a warning. Where no entry can be written, the file is loaded directly."""
+    entry whose files changed since they were written (``STAMP``: cut short, overwritten in place) or that cannot be
+    read is rebuilt with a warning. Where no entry can be written, the file is loaded directly."""
     folder = _gguf_cache_folder(spec, Path(source) / gguf, cache_dir)
     if folder.is_dir():
         try:
+            if json.loads((folder / STAMP).read_text()) != _stamp(folder):
+                raise NVError("its files changed since it was written")
             return _from_pretrained(str(folder), None, dtype)
         except Exception as exc:  # any unreadable cache entry is rebuilt from the source
             log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
