@@ -317,15 +317,17 @@ def _summarised(record: dict, rows: list[LengthTimings], trim: float, fraction: 
 
 
 def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]], timing: dict, fraction: float,
-                 L_tolerance: float, seed: int) -> pd.DataFrame:
+                 L_tolerance: float, seed: int, price_tokens: list[int]) -> pd.DataFrame:
     """Every timing knob setting on the target's reference-platform record: L_hat (the basic estimator, §4.2) and
     P_hat with the plain statistic (``no_counter``: App. D's trimmed mean), with the counter-measure (``attack``: the
     fastest trials, or the length dither against ``latency_quantum_ms``) and with it at 10x the trials
-    (``attack_10x``); the provider's mean added latency."""
+    (``attack_10x``); the provider's mean added latency on honest calls of ``price_tokens`` prompt tokens, their
+    latencies read off the target's measured curve."""
     platform = next(iter(records))
     recs = records[platform]
     target = next(r for r in recs if r["role"] == "target")
-    _, s_per_token = _latency_curve(target)
+    curve, s_per_token = _latency_curve(target)
+    honest = curve(price_tokens)
     rows = []
     for knob, value in knobs:
         if knob not in TIMING_KNOBS and knob != "none":
@@ -345,7 +347,7 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
                          "L_hat": est.get("L_hat", np.nan), "L_err": L_err, "P_hat": est.get("P_hat_registry_raw", np.nan),
                          "P_err": est.get("P_err_registry_raw", np.nan), "note": est.get("note", ""),
                          "outcome": "works" if abs(L_err) <= L_tolerance else "stopped",
-                         "added_ms": mean_added_latency_ms(defence, 1000.0 * s_per_token)})
+                         "added_ms": mean_added_latency_ms(defence, honest, price_tokens, s_per_token, seed)})
     return pd.DataFrame(rows)
 
 

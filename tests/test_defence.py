@@ -200,8 +200,22 @@ def test_random_delays_are_seeded_and_have_the_priced_mean():
 
     a, b = added(0), added(0)
     assert np.array_equal(a, b) and not np.array_equal(a, added(1)) and a.min() >= 0
-    assert mean_added_latency_ms(defence) == 15.0 and abs(a.mean() * 1000 - 15.0) < 0.2
-    assert mean_added_latency_ms(Defence(latency_quantum_ms=10, pad_to_tokens=64), ms_per_token=0.2) == 5 + 0.2 * 31.5
+    priced = mean_added_latency_ms(defence, [0.1, 0.2], [10, 20], 0.0)
+    assert abs(priced - 15.0) < 0.3 and abs(a.mean() * 1000 - priced) < 0.3  # a / 2 + b, what the oracle adds
+
+
+def test_the_latency_price_is_what_honest_calls_pay():
+    """The price follows each honest call's own latency and length, as the oracle times it: a 73 ms call pays 427 ms
+    of a 500 ms quantum (not the q / 2 of latencies uniform modulo q); a 35-token prompt is padded by 4,061 tokens
+    to a 4,096 bucket, one of 4,096 tokens by none; with delays the quantum applies after them."""
+    oracle = DefendedOracle(FixedLatency([0.073] * 10), Defence(latency_quantum_ms=500), seed=0)
+    assert oracle.time_request("x").seconds == 0.5
+    assert mean_added_latency_ms(Defence(latency_quantum_ms=500), [0.073], [35], 0.0) == pytest.approx(427.0)
+    assert mean_added_latency_ms(Defence(pad_to_tokens=4096), [0.05, 0.05], [35, 4096], 0.001) == pytest.approx(4061 / 2)
+    both = Defence(delay_uniform_ms=300.0, latency_quantum_ms=100)
+    timed = DefendedOracle(FixedLatency([0.073] * 20_000), both, seed=3)
+    measured = 1000 * (np.mean([timed.time_request("x").seconds for _ in range(20_000)]) - 0.073)
+    assert abs(mean_added_latency_ms(both, [0.073], [35], 0.0) - measured) < 2.0
 
 
 # -- the wrapper around the real simulator ------------------------------------------------------------

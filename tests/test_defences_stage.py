@@ -9,6 +9,7 @@ import pytest
 import scipy.sparse as sp
 
 from nv.defences import (
+    _latency_curve,
     adaptive_phase1,
     defend_record,
     defended_common,
@@ -201,14 +202,15 @@ def test_phase2_sweep_on_records_of_a_known_law():
     refs = [_record(f"r{d}x{L}", "reference", d, L, rng) for d, L in ((256, 4), (256, 8), (384, 6), (512, 8))]
     records = {"inprocess": [*refs, _record("target", "target", 448, 10, rng)]}
     timing = {"trim": 0.1, "discard": 0, "kv_ratio": 0.25, "ffn_ratio": 3.5}
-    p2 = sweep_phase2(records, settings({"latency_quantum_ms": [100, 1000]}), timing, 0.3, 0.25, seed=0)
+    p2 = sweep_phase2(records, settings({"latency_quantum_ms": [100, 1000]}), timing, 0.3, 0.25, seed=0, price_tokens=[40])
     by = {(r.knob, r.setting, r.variant): r for r in p2.itertuples()}
     assert abs(by[("none", "", "no_counter")].L_err) < 0.05 and by[("none", "", "no_counter")].outcome == "works"
     assert by[("none", "", "no_counter")].added_ms == 0
     assert by[("latency_quantum_ms", "100", "no_counter")].outcome == "stopped"
     assert by[("latency_quantum_ms", "100", "attack")].outcome == "works"
     assert all(by[("latency_quantum_ms", "1000", v)].outcome == "stopped" for v in ("no_counter", "attack", "attack_10x"))
-    assert by[("latency_quantum_ms", "1000", "no_counter")].added_ms == 500.0
+    honest = _latency_curve(records["inprocess"][-1])[0]([40])[0]  # a 40-token call's latency on the target's curve
+    assert 0 < honest < 1 and by[("latency_quantum_ms", "1000", "no_counter")].added_ms == pytest.approx(1000 * (1 - honest))
     # the table shows the signed error (L_err is its absolute value)
     table = results(pd.DataFrame(columns=["knob", "setting", "variant"]), p2, pd.DataFrame(columns=["knob", "setting", "kl", "tv"]),
                     pd.DataFrame(columns=["knob", "setting"]), "robust").set_index(["knob", "setting"])
@@ -237,3 +239,38 @@ def test_defended_common_set_is_the_common_set_of_the_defended_draws():
     counts = S.counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
     z = (noisy - cs.Y) * np.sqrt(counts) / 0.5
     assert abs(z.mean()) < 0.1 and abs(z.std() - 1) < 0.05
+
+
+def test_the_figure_rings_a_wrong_estimate_and_colours_each_failure_by_its_variant():
+    """A saturated estimate 12 off (4x the tolerance at d = 576) is ringed as wrong, not left near the exact band;
+    each "not saturated" and "no fit" cross in the band has its variant's colour, side by side, so a reader sees
+    which variant failed (a plain red cross hid that the counter-measure recovers L)."""
+    from matplotlib.colors import to_hex
+
+    from nv.plots.defences import OFFSET, VARIANTS, outcome_vs_strength
+
+    def p1_row(knob, setting, variant, raw, bound):
+        return {"knob": knob, "setting": setting, "variant": variant, "robust_d_hat_raw": raw, "robust_lower_bound": bound}
+
+    p1 = pd.DataFrame([p1_row("none", "", "no_counter", 576, None), p1_row("none", "", "attack", 576, None),
+                       p1_row("noise_sigma", "0.1", "no_counter", None, 400), p1_row("noise_sigma", "0.1", "attack", 588, None),
+                       p1_row("noise_sigma", "1", "no_counter", None, 100), p1_row("noise_sigma", "1", "attack", None, 300)])
+    p2 = pd.DataFrame([{"knob": k, "setting": s, "variant": v, "L_err": e, "L_true": 30}
+                       for k, s, errs in (("none", "", (0.02, 0.03, 0.01)), ("latency_quantum_ms", "100", (np.nan, -0.02, 0.01)))
+                       for v, e in zip(VARIANTS, errs)])
+    table = pd.DataFrame([{"knob": "noise_sigma", "setting": "0.1", "phase": 1, "cost": "none (reported values only)"},
+                          {"knob": "noise_sigma", "setting": "1", "phase": 1, "cost": "none (reported values only)"},
+                          {"knob": "latency_quantum_ms", "setting": "100", "phase": 2, "cost": "50 ms per request"}])
+    fig = outcome_vs_strength(p1, p2, table, 576, "robust", 0.25)
+    phase1, phase2 = fig.axes[:2]
+    rings = [line for line in phase1.get_lines() if line.get_marker() == "o" and line.get_markersize() == 15]
+    assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in rings] == [(1, 12)]
+    crosses = sorted((line.get_xdata()[0], to_hex(line.get_color())) for line in phase1.get_lines() if line.get_marker() == "X"
+                     and len(line.get_xdata()))
+    colour = {v: to_hex(c) for v, (_, c, _) in VARIANTS.items()}
+    assert crosses == sorted([(1 + OFFSET[0], colour["no_counter"]), (2 + OFFSET[0], colour["no_counter"]),
+                              (2 + OFFSET[1], colour["attack"])])
+    no_fit = [(line.get_xdata()[0], to_hex(line.get_color())) for line in phase2.get_lines() if line.get_marker() == "X"
+              and len(line.get_xdata())]
+    assert no_fit == [(1 + OFFSET[0], colour["no_counter"])]  # only the plain statistic failed at 100 ms
+    assert phase1.get_xlabel().startswith("noise_sigma") and phase2.get_xlabel().startswith("latency_quantum_ms")

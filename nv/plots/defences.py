@@ -11,6 +11,8 @@ import pandas as pd
 
 from nv.phase1.sweep import d_interval
 
+WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls": "none"}
+OFFSET = (-0.12, 0.0, 0.12)  # x offsets of the variants' crosses in the band, so that none hides another
 VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("with counter-measure", "C0", "o"),
             "attack_10x": ("with counter-measure, 10x budget", "C2", "^")}
 
@@ -28,10 +30,11 @@ def _price_label(setting, cost: str) -> str:
 
 def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame, d_true: int, estimator: str,
                         L_tolerance: float):
-    """One panel per knob. Phase 1: |d_hat_raw - d| for saturated estimates, "not saturated" drawn as a red cross in
-    the band above the axes with the lower bound's shortfall beside it; the exactness tolerance shaded. Phase 2:
-    |L_hat - L| / L with the tolerance line; no fit is a red cross in the band. Tick labels carry the provider's
-    price of each setting."""
+    """One panel per knob. Phase 1: |d_hat_raw - d| for saturated estimates, a wrong one (off by more than the
+    tolerance) ringed in red; "not saturated" drawn as a cross in the red band above the axes, in the variant's
+    colour, with its lower bound beside it; the exactness tolerance shaded. Phase 2: |L_hat - L| / L with the
+    tolerance line; no fit is a cross in the band, in the variant's colour. Tick labels carry the provider's price of
+    each setting."""
     knobs = [k for k in dict.fromkeys(table.knob) if k != "none"]
     cols = 4
     rows = math.ceil(len(knobs) / cols)
@@ -64,35 +67,41 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                     else:
                         ys.append(abs(raw - d_true))
                 ax.plot(x, np.minimum(ys, top), marker=marker, color=color, ls="-", label=label, alpha=0.85)
+                for i, y in enumerate(ys):
+                    if y > tol:  # saturated and off: a wrong answer, not a point near the exact band
+                        ax.plot(i, min(y, top), **WRONG)
+                        ax.annotate(f"wrong: {y:+.0f}" if y > top else "wrong", (i, min(y, top)), textcoords="offset points",
+                                    xytext=(9, 4 + 8 * j), fontsize=6.5, color="red")
                 for i, lb in fails:
-                    ax.plot(i, top * 1.1, marker="X", color="red", ms=9, ls="none")
-                    ax.annotate(f"d >= {int(lb or 0)}", (i, top * 1.1), textcoords="offset points", xytext=(6, 4 - 8 * j),
-                                fontsize=6.5, color=color)
+                    ax.plot(i + OFFSET[j], top * 1.1, marker="X", color=color, mec="red", ms=9, ls="none")
+                    ax.annotate(f"d >= {int(lb or 0)}", (i + OFFSET[j], top * 1.1), textcoords="offset points",
+                                xytext=(6, 4 - 8 * j), fontsize=6.5, color=color)
             ax.axhspan(0, tol, color="green", alpha=0.12, label=f"exact (|error| <= {tol:g})")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
             ax.set_ylim(-5, top * 1.2)
-            ax.set_ylabel(f"|d_hat_raw - d| ({estimator}); red X: not saturated")
+            ax.set_ylabel(f"|d_hat_raw - d| ({estimator})")
             ax.set_title(f"phase 1 vs {knob}")
         else:
             top = 100.0
             sub = p2[p2.knob == knob]
-            for variant, (label, color, marker) in VARIANTS.items():
+            for j, (variant, (label, color, marker)) in enumerate(VARIANTS.items()):
                 v = sub[sub.variant == variant]
                 b = p2[(p2.knob == "none") & (p2.variant == variant)].iloc[0]
                 errs = [b.L_err] + list(v.L_err)
                 ys = [100 * abs(e) if np.isfinite(e) else np.nan for e in errs]
                 ax.plot(x, np.minimum(ys, top), marker=marker, color=color, label=label, alpha=0.85)
                 for i, y in enumerate(ys):
-                    if not np.isfinite(y):
-                        ax.plot(i, top * 1.1, marker="X", color="red", ms=9, ls="none")
+                    if not np.isfinite(y):  # which variant found no fit: its colour, beside the others'
+                        ax.plot(i + OFFSET[j], top * 1.1, marker="X", color=color, mec="red", ms=9, ls="none")
                     elif y > top:
                         ax.annotate(f"{y:.0f} %", (i, top), textcoords="offset points", xytext=(3, 2), fontsize=7, color=color)
             ax.axhline(100 * L_tolerance, color="0.4", ls=":", lw=1, label=f"attack works below {100 * L_tolerance:g} %")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
             ax.set_ylim(-3, top * 1.2)
-            ax.set_ylabel("|L_hat - L| / L (%); red X: no fit")
+            ax.set_ylabel("|L_hat - L| / L (%)")
             ax.set_title(f"phase 2 vs {knob} (L = {int(base2.L_true)})")
         ax.set_xticks(x, labels, fontsize=6.5)
+        ax.set_xlabel(f"{knob} (setting, and its price)", fontsize=8)
         ax.set_xlim(-0.4, len(labels) - 0.4)
     for ax in list(axes.flat)[len(knobs):]:
         ax.axis("off")
@@ -100,9 +109,11 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
     for ax in axes.flat:
         for handle, text in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(text, handle)
-    legend["not saturated (phase 1) / no fit (phase 2)"] = plt.Line2D([], [], marker="X", color="red", ms=9, ls="none")
+    legend["in the red band: not saturated (phase 1) / no fit (phase 2), in the variant's colour"] = plt.Line2D(
+        [], [], marker="X", color="0.5", mec="red", ms=9, ls="none")
+    legend["wrong: saturated, off by more than the tolerance"] = plt.Line2D([], [], **WRONG)
     fig.suptitle("What each defence does to the attack (x: setting, and its price to the provider: KL of the served "
                  "distribution, added latency per request, or free for reported values only)", fontsize=12)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 4), fontsize=8, frameon=False)
     return fig
