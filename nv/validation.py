@@ -29,18 +29,13 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
+from nv.outputs import read_json
 from nv.overall import with_trials
 from nv.phase2 import prefill
 from nv.phase2.evaluation import held_out
 from nv.phase2.fit import total_params
 
 ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
-
-
-def _json_file(path: Path) -> dict:
-    if not path.is_file():
-        raise NVError(f"missing {path}: run 'dvc repro' (the phase-1 and timing stages) first")
-    return json.loads(path.read_text())
 
 
 def _duration(notebook: Path) -> float:
@@ -54,7 +49,7 @@ def load_phase1(root: Path, main: str, items: list[str]) -> pd.DataFrame:
     """Every real model's budget sweep (both estimators) with its search cost and phase-1 wall time: the
     section stages' for ``main`` (model.spec), ``validation_phase1@ITEM``'s for each item."""
     out = root / "outputs"
-    main_metrics = _json_file(root / "metrics" / "hidden_dim.json")
+    main_metrics = read_json(root / "metrics" / "hidden_dim.json", "spectrum")
     frames = []
     for item in [None, *items]:
         if item is None:
@@ -68,7 +63,7 @@ def load_phase1(root: Path, main: str, items: list[str]) -> pd.DataFrame:
             if not (folder / "sweep.csv").is_file():
                 raise NVError(f"missing {folder / 'sweep.csv'}: run 'dvc repro validation_phase1@{item}'")
             sweep = pd.read_csv(folder / "sweep.csv")
-            record = _json_file(folder / "report.json")
+            record = read_json(folder / "report.json")
             name, d_true = record["model"], record["d_true"]
             if name in {f.model.iloc[0] for f in frames}:
                 raise NVError(f"validation.models.{item} attacks {name}, which the run already validates: list each model once")
@@ -90,8 +85,8 @@ def load_timing(root: Path, items: list[str], family: dict, platforms: dict) -> 
     records: dict[str, list[dict]] = {}
     for platform, cfg in platforms.items():
         refs = list(family) if cfg["references"] == "all" else cfg["references"]
-        records[platform] = [_json_file(out / "timing_reference" / r / f"{platform}.json") for r in refs]
-        records[platform] += [json.loads((f / f"{platform}.json").read_text()) for f in folders if (f / f"{platform}.json").is_file()]
+        records[platform] = [read_json(out / "timing_reference" / r / f"{platform}.json") for r in refs]
+        records[platform] += [read_json(f / f"{platform}.json") for f in folders if (f / f"{platform}.json").is_file()]
     return records
 
 

@@ -13,13 +13,13 @@ Records are the per-platform JSON files ``nv.phase2.platforms.time_model`` write
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
+from nv.outputs import read_json
 from nv.phase2.fit import (
     Timings,
     attention_regime,
@@ -43,10 +43,7 @@ def load_records(root: Path, family: dict, platforms: dict) -> dict[str, list[di
         folders = [root / "outputs" / "timing_reference" / name for name in names] + [root / "outputs" / "timing_target"]
         records[platform] = []
         for folder in folders:
-            path = folder / f"{platform}.json"
-            if not path.is_file():
-                raise NVError(f"missing timing record {path}: run 'dvc repro' (or the timing stages) first")
-            records[platform].append(json.loads(path.read_text()))
+            records[platform].append(read_json(folder / f"{platform}.json"))
     return records
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from nv.errors import NVError
 from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, gguf_path, load_model
 from nv.models.packaged import read_gguf
+from nv.outputs import read_json
 from nv.oracle import Oracle, Simulator
 from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
 from nv.phase2.protocol import LengthTimings, collect_timings, summarize
@@ -184,7 +185,7 @@ def target_d_hat(setting: str | int, metrics: Path) -> int:
         return int(setting)
     if not metrics.is_file():
         raise NVError(f"{metrics} is missing: run phase 1 (dvc repro spectrum) or set timing_target.d_hat to an int")
-    record = json.loads(metrics.read_text())
+    record = read_json(metrics, "spectrum")
     if not record.get("d_hat"):
         raise NVError(f"phase 1 found no hidden dimension ({record.get('reason')}): raise its budget or set timing_target.d_hat")
     return int(record["d_hat"])

@@ -1,0 +1,54 @@
+"""What one stage hands the next (``outputs/STAGE/...``, ``metrics/``), read back: a missing, cut-short or corrupt
+file is one line naming it and the stage to rerun, not a JSONDecodeError or BadZipFile traceback."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from nv.errors import NVError
+
+FOREACH = ("timing_reference", "validation_phase1", "validation_timing")  # stages with one item per folder
+
+
+def _rerun(path: Path, stage: str | None) -> str:
+    """What to do: rerun the stage that wrote ``path`` (``stage``, or read off ``outputs/STAGE[/ITEM]/...``)."""
+    parts = path.parts
+    if stage is None and "outputs" in parts[:-1]:
+        i = parts.index("outputs")
+        stage = parts[i + 1]
+        if stage in FOREACH and len(parts) > i + 3:
+            stage = f"{stage}@{parts[i + 2]}"
+    return f"rerun `dvc repro {stage}`" if stage else "rerun the stage that wrote it"
+
+
+def read_json(path: str | Path, stage: str | None = None):
+    """The JSON value in ``path``, written by ``stage`` (default: read off the path)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise NVError(f"missing {path}: {_rerun(path, stage)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NVError(f"cannot read {path} ({getattr(exc, 'strerror', None) or exc}): {_rerun(path, stage)}") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise NVError(f"{path} is not valid JSON (cut short or edited?): {_rerun(path, stage)}") from None
+
+
+def read_npz(path: str | Path, stage: str | None = None) -> dict[str, np.ndarray]:
+    """Every array of the .npz ``path``, read now (a damaged member fails here, named), written by ``stage``."""
+    path = Path(path)
+    try:
+        with np.load(path) as z:
+            return {name: z[name] for name in z.files}
+    except FileNotFoundError:
+        raise NVError(f"missing {path}: {_rerun(path, stage)}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise NVError(f"{path} is corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
+                      f"{_rerun(path, stage)}") from None
