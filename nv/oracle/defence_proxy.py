@@ -40,8 +40,8 @@ from nv.oracle.http import split_credentials
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 PASSED = ("GET", "HEAD", "OPTIONS")
-# the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+# the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
 STRICTER = {"top_k": lambda mine, theirs: min(mine, theirs) if mine > 0 else theirs, "top_p": min, "min_p": max}
 
 
@@ -203,6 +203,7 @@ def serve(upstream: str, port: int, defence: Defence, seed: int, timeout_s: floa
         raise NVError(f"--port must be in 1..65535, got {port}")
     app = make_app(upstream, defence, seed, timeout_s)
     sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's own sites: a port in TIME_WAIT is free
     try:
         sock.bind(("127.0.0.1", port))
     except OSError as exc:
