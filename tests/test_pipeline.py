@@ -139,11 +139,11 @@ def check_defences(project: Path) -> None:
     phase2 = pd.read_csv(project / "outputs" / "defences" / "phase2.csv")
     assert phase2[(phase2.knob == "none") & (phase2.variant == "no_counter")].L_hat.iloc[0] == pytest.approx(L_hat, rel=1e-12)
     assert table[table.knob == "top_k"].cost.iloc[0].startswith("KL ")
-    # a 100 ms clock on honest calls far shorter than it: they pay most of the quantum (the q / 2 of latencies uniform
-    # modulo q was the old, understated price), as the phase-2 table's added latency says
+    # a 100 ms clock: the honest calls' wait up to the next step, what their measured latency leaves of the quantum
+    # (not the q / 2 of latencies uniform modulo q), as the phase-2 table's added latency says
     price = table[table.knob == "latency_quantum_ms"].cost.iloc[0]
     added = phase2[(phase2.knob == "latency_quantum_ms") & (phase2.variant == "no_counter")].added_ms.iloc[0]
-    assert price == f"{added:,.0f} ms per request" and 50 < added < 100, price
+    assert price == f"{added:,.0f} ms per request" and 0 <= added < 100, price
 
 
 def check_validation(project: Path) -> None:
