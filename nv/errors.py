@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import sys
+import zipfile
+import zlib
 from collections.abc import Callable
 
 
@@ -15,6 +17,7 @@ class NVError(Exception):
 
 
 PATH_ERRORS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)  # reading a cut-short or damaged .npz
 
 
 def run_main(work: Callable[[], object]) -> int:

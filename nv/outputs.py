@@ -4,13 +4,11 @@ file is one line naming it and the stage to rerun, not a JSONDecodeError or BadZ
 from __future__ import annotations
 
 import json
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
 
-from nv.errors import NVError
+from nv.errors import NPZ_ERRORS, NVError
 
 FOREACH = ("timing_reference", "validation_phase1", "validation_timing")  # stages with one item per folder
 
@@ -49,6 +47,6 @@ def read_npz(path: str | Path, stage: str | None = None) -> dict[str, np.ndarray
             return {name: z[name] for name in z.files}
     except FileNotFoundError:
         raise NVError(f"missing {path}: {_rerun(path, stage)}") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+    except NPZ_ERRORS as exc:
         raise NVError(f"{path} is corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
                       f"{_rerun(path, stage)}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 
@@ -77,6 +78,25 @@ def test_interrupted_sampling_resumes_without_losing_finished_prompts(lm32, tmp_
     assert a.D == 25 and np.all(np.asarray(a.counts.sum(axis=1)).ravel() == 3000)
 
 
+def _damage_logprobs(shard: bytes) -> bytes:
+    """A shard with bytes inside its log-probs' data zeroed: same size, its CRC no longer matches."""
+    with zipfile.ZipFile(io.BytesIO(shard)) as z:
+        info = z.getinfo("logprobs.npy")
+    damaged = bytearray(shard)
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
+    damaged[start : start + 16] = bytes(16)
+    return bytes(damaged)
+
+
+def _edit(shard: bytes, **values) -> bytes:
+    """A shard with arrays set to constant ``values``: whole, readable, and wrong."""
+    with np.load(io.BytesIO(shard)) as z:
+        arrays = {k: z[k] for k in z.files}
+    buffer = io.BytesIO()
+    np.savez(buffer, **{k: np.full_like(v, values[k]) if k in values else v for k, v in arrays.items()})
+    return buffer.getvalue()
+
+
 def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path):
     """A shard torn in the checkpoint folder of an interrupted run is sampled again on resume (with the
     unfinished one), the finished intact shard is not, and the result equals an uninterrupted run's."""
@@ -92,6 +112,17 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
     out = collect(resumed, prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
     assert resumed.cost.calls == 3 * 2000  # the torn shard's 2 prompts + the unfinished shard's 1, nothing else
     assert (out / "shard-0000000.npz").read_bytes() == intact
+    # whole in its structure but damaged in its values (a bad CRC inside the log-probs, counts no draw gives): a
+    # checkpoint is read through at resume and sampled again, not handed on to fail at every load after
+    for damage in (_damage_logprobs, lambda b: _edit(b, counts=0)):
+        work.mkdir()
+        (work / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
+        (work / "shard-0000000.npz").write_bytes(intact)
+        (work / "shard-0000002.npz").write_bytes(damage((out / "shard-0000002.npz").read_bytes()))
+        again = Simulator(lm32)
+        collect(again, prompts, out_dir=tmp_path / "o2", checkpoint_root=tmp_path / "c", **kw)
+        assert again.cost.calls == 3 * 2000  # the damaged shard and the missing last one
+        assert np.array_equal(load_samples(tmp_path / "o2").logprobs.data, load_samples(out).logprobs.data)
     fresh = collect(Simulator(lm32), prompts, out_dir=tmp_path / "ref", checkpoint_root=tmp_path / "c2", **kw)
     a, b = load_samples(out), load_samples(fresh)
     assert (a.counts != b.counts).nnz == 0 and np.array_equal(a.logprobs.data, b.logprobs.data)
@@ -128,12 +159,7 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
         for read in (load_samples, lambda f: list(iter_shards(f)[2])):
             with pytest.raises(NVError, match=message):
                 read(fresh)
-    with zipfile.ZipFile(shard) as z:  # flip bytes inside the log-probs' data: same size, CRC no longer matches
-        info = z.getinfo("logprobs.npy")
-    damaged = bytearray(good)
-    start = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
-    damaged[start : start + 16] = bytes(16)
-    shard.write_bytes(bytes(damaged))
+    shard.write_bytes(_damage_logprobs(good))
     with pytest.raises(NVError, match=r"shard-0000002.npz is corrupt \(Bad CRC-32"):
         load_samples(fresh)
     shard.write_bytes(good)

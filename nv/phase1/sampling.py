@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import zipfile
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
-from nv.errors import NVError
+from nv.errors import NPZ_ERRORS, NVError
 from nv.oracle.base import BudgetExhausted, Oracle, Samples
 
 MANIFEST = "manifest.json"
@@ -131,11 +129,13 @@ def _length(z, name: str) -> int:
     return shape[0] if len(shape) == 1 else -1
 
 
-def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray | None = None) -> int | None:
+def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray | None = None,
+                   values: bool = False) -> int | None:
     """The entries of a whole shard of ``rows`` prompts (only those of ``columns``, a boolean mask over the vocabulary,
     where given), or None where it is not whole: every array of its length (the others' from their headers), row
     pointers from 0 up to its entries, token ids in the vocabulary (ids past it would reach scipy unchecked). One read
-    of the shard's indices checks and counts; the values are checked where they are read (``_checked``)."""
+    of the shard's indices checks and counts; the values are checked where they are read (``_checked``), or here with
+    ``values`` (a checkpoint about to be reused at resume: a damaged member is sampled again, not kept)."""
     try:
         with np.load(path) as z:
             if not SHARD_FIELDS <= set(z.files):
@@ -145,6 +145,9 @@ def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray |
                     and len(indices) == indptr[-1] and (not len(indices) or 0 <= indices.min() <= indices.max() < vocab_size)
                     and _length(z, "logprobs") == _length(z, "counts") == len(indices) and _length(z, "prompt_tokens") == rows):
                 return None
+            if values:
+                for field in ("logprobs", "counts"):
+                    _checked(path, field, z[field])
     except Exception:  # a torn or corrupt shard is recomputed
         return None
     return int(indptr[-1]) if columns is None else int(np.count_nonzero(columns[indices]))
@@ -178,7 +181,8 @@ def collect(
     work.mkdir(parents=True, exist_ok=True)
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     starts = range(0, len(prompts), chunk)
-    todo = [s for s in starts if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size) is None]
+    todo = [s for s in starts
+            if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size, values=True) is None]
     if prompt_tokens is not None and todo:
         refusal = oracle.refuses(np.concatenate([prompt_tokens[s : s + chunk] for s in todo]), N)
         if refusal is not None:
@@ -269,11 +273,11 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
 @contextmanager
 def _reading(path: Path):
     """An open shard whose reads fail with one line naming it (a damaged zip member passes the cheap check of
-    ``_shard_entries``, which reads no values, and shows itself only here)."""
+    ``_shard_entries`` without ``values`` and shows itself only here)."""
     try:
         with np.load(path) as z:
             yield z
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+    except NPZ_ERRORS as exc:
         raise NVError(f"sampling shard {path} is corrupt ({exc}): delete it and sample again (dvc repro -f sampling, "
                       "or rerun the attack)") from None
 
