@@ -1,4 +1,4 @@
-"""Overall results (§5.1, Fig. overview): d_hat -> L_hat -> P_hat and their errors versus total budget.
+"""Overall results (§5.1, Fig. err_d_L_N_plot for the attacked model): d_hat -> L_hat -> P_hat and their errors versus total budget.
 
 Phase 2 depends on phase 1 only through d_hat: Eq. 10 fits T on ell^2 d_hat, so the target's slope
 gamma_g scales as 1/d_hat and L_hat(d_hat) = L_hat(d_used) d_used / d_hat exactly; P_hat follows from

@@ -1,7 +1,7 @@
 """params.yaml: loading and validation, with one-line errors naming the bad key.
 
-Each section is checked against ``SCHEMA``: every key present, of the right type, in range.
-Sections missing from the schema are passed through unchecked (later phases add theirs).
+Each section is checked against ``SCHEMA``: every key present, of the right type, in range; a section the schema
+does not know (a misspelled name, silently ignored before) is an error.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def check_section(name: str, section: object) -> dict:
     """Validate one section (recursively) against ``SCHEMA[name]``; return it unchanged."""
     if not isinstance(section, dict):
         raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
-    _check(name, section, SCHEMA.get(name, {}))
+    _check(name, section, SCHEMA[name])
     if name == "timing":
         _discard_fits(section, "params")
     return section
@@ -334,6 +334,9 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
     seed = raw.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise NVError(f"params: 'seed' must be an int >= 0, got {seed!r}")
+    unknown = [k for k in raw if k != "seed" and k not in SCHEMA]
+    if unknown:
+        raise NVError(f"params: unknown section '{unknown[0]}' in {path} (known: seed, {', '.join(SCHEMA)})")
     names = sections if sections is not None else [k for k in raw if k != "seed"]
     out: dict = {"seed": seed}
     for name in names:

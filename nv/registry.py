@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -22,8 +21,3 @@ def load_registry(data_dir: str | Path = "data") -> pd.DataFrame:
     if missing:
         raise NVError(f"model registry {path} lacks columns {missing}")
     return table
-
-
-def embedded_facts(data_dir: str | Path = "data") -> dict:
-    """The embedded model's true architecture as shipped (``data/embedded_model.json``)."""
-    return json.loads((Path(data_dir) / "embedded_model.json").read_text())

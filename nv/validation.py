@@ -1,4 +1,4 @@
-"""Validation across models (§5.1; Figs. validation, err_d_L_N, L_param_err_budget): d_hat, L_hat, P_hat
+"""Validation across models (§5.1-5.3, App. E.2; Figs. err_d_L_N_plot, val_plot, L_param_err_budget): d_hat, L_hat, P_hat
 of every real model of the run, with calibrated intervals and their coverage.
 
 The real models are ``model.spec`` (the section stages) and every entry of ``validation.models`` (its own

@@ -21,15 +21,17 @@ def test_embedded_architecture_from_config(lm32):
     assert a.tied_embeddings and a.params == 134_515_008
 
 
-def test_embedded_facts_in_the_registry_match_the_model(lm32, root):
-    from nv.registry import embedded_facts, load_registry
+def test_the_registry_and_the_packaged_table_agree_with_the_model(lm32, root):
+    from nv.models.packaged import PACKAGED
+    from nv.registry import load_registry
 
-    facts = embedded_facts(root / "data")
-    assert (facts["d"], facts["L"], facts["vocab_size"], facts["params"]) == (576, 30, 49152, lm32.arch.params)
+    facts = PACKAGED["embedded"].facts
+    assert (facts["d"], facts["L"], facts["vocab_size"], facts["d_ffn"]) == (lm32.arch.d, lm32.arch.L, lm32.arch.vocab_size, lm32.arch.d_ffn)
     table = load_registry(root / "data")
     assert len(table) == 39 and (table.role == "development").sum() == 7
     row = table.set_index("model_id").loc["HuggingFaceTB/SmolLM2-135M-Instruct"]
-    assert (row.d, row.L, row.vocab_size) == (576, 30, 49152)
+    assert (row.d, row.L, row.vocab_size, row.d_ffn, row.n_heads, row.n_kv_heads) == tuple(
+        facts[k] for k in ("d", "L", "vocab_size", "d_ffn", "n_heads", "n_kv_heads"))
 
 
 def test_chat_template_uses_the_default_system_prompt(lm32):

@@ -129,6 +129,15 @@ def test_load_params_refuses_an_unknown_key(tmp_path, params, edit, message):
     assert "\n" not in str(err.value)
 
 
+def test_load_params_refuses_an_unknown_section(tmp_path, params):
+    """A misspelt section (``defense`` for ``defence``) was passed through unchecked and ignored: now an error, also
+    for a stage that asks for other sections."""
+    params["defense"] = {"noise_sigma": 0.1}
+    for sections in (None, ["model"]):
+        with pytest.raises(NVError, match=r"params: unknown section 'defense' in .*params.yaml \(known: seed, model, "):
+            load_params(write(tmp_path, params), sections)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [

@@ -3,7 +3,7 @@
 One request is one chat completion (``chat=True``; the server applies the model's chat template
 and default system prompt) or plain completion with ``max_tokens = 1``, temperature tau, and
 ``logprobs`` with ``top_logprobs = 0``: the sampled token and its log-probability y_q^(i), the
-paper's threat model (§2, Alg. 1 line 4). ``n`` > 1 samples ride on one request (one prefill)
+paper's threat model (§2, Alg. 1 line 2). ``n`` > 1 samples ride on one request (one prefill)
 where the server honours ``n`` (``probe`` finds out). Requests are deterministic functions of
 (prompt, sample index, seed): each carries its own ``seed``, so a resumed run asks exactly what an
 uninterrupted one would, and every paid reply is journaled (``nv.oracle.journal``) before it is used.
@@ -353,7 +353,7 @@ class HTTPOracle(Oracle):
         """One greedy call with one output token, no log-probs (their computation would be timed too).
 
         Seconds: client-side, from sending the request to receiving the whole (non-streamed) reply,
-        which with max_tokens = 1 is the arrival of the first token (App. E times whole requests
+        which with max_tokens = 1 is the arrival of the first token (App. D times whole requests
         the same way). The k-th timing of the same prompt is its own journal entry.
         """
         occurrence = self._timed.get(prompt, 0)

@@ -1,4 +1,4 @@
-"""Alg. 1 stage 1: N samples per prompt at temperature tau into the sparse D x |V| matrix Y_hat.
+"""Alg. 1 lines 1-5: N samples per prompt at temperature tau into the sparse D x |V| matrix Y_hat.
 
 Work is checkpointed in shards of ``chunk`` prompts (atomic writes), in a folder keyed by
 everything that determines the draws; an interrupted run resumes from the finished shards and
@@ -147,7 +147,7 @@ def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray |
                 return None
             if values:
                 for field in ("logprobs", "counts"):
-                    _checked(path, field, z[field])
+                    _checked(field, z[field])
     except Exception:  # a torn or corrupt shard is recomputed
         return None
     return int(indptr[-1]) if columns is None else int(np.count_nonzero(columns[indices]))
@@ -264,7 +264,7 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
             size = int(indptr[-1])
             arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
             for k in fields:
-                arrays[k][offset : offset + size] = (indices if k == "indices" else _checked(path, k, z[k]))[keep]
+                arrays[k][offset : offset + size] = (indices if k == "indices" else _checked(k, z[k]))[keep]
             arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
         row, offset = row + rows, offset + size
     return meta, arrays
@@ -282,8 +282,9 @@ def _reading(path: Path):
                       "or rerun the attack)") from None
 
 
-def _checked(path: Path, field: str, values: np.ndarray) -> np.ndarray:
-    """A shard's log-probs (finite) or counts (>= 1), or a one-line error naming the shard."""
+def _checked(field: str, values: np.ndarray) -> np.ndarray:
+    """A shard's log-probs (finite) or counts (>= 1); else a ValueError saying how many are not (``_reading`` names
+    the shard)."""
     ok = np.isfinite(values) if field == "logprobs" else values >= 1
     if not ok.all():
         raise ValueError(f"{np.count_nonzero(~ok)} {field} {'not finite' if field == 'logprobs' else 'below 1'}")
@@ -308,8 +309,8 @@ def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.c
             with _reading(path) as z:
                 indices, indptr = z["indices"], z["indptr"]
                 shape = (len(indptr) - 1, meta["vocab_size"])
-                counts = sp.csr_matrix((_checked(path, "counts", z["counts"]), indices, indptr), shape=shape)
-                logprobs = sp.csr_matrix((_checked(path, "logprobs", z["logprobs"]), indices, indptr), shape=shape)
+                counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
+                logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
             yield row, counts, logprobs
             row += shape[0]
 

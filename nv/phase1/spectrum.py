@@ -89,13 +89,13 @@ def paper_from_eigenvalues(
 ) -> SpectrumEstimate:
     """Saddle-then-peak inflection detector of Alg. 2 (lines 3-8) on eigenvalues lambda_i.
 
-    a_i = arctan(lambda_i); slope = least-squares slope of a over [i-w, i+w] with
+    a_i = arctan(lambda_i) (Eq. 4); slope = least-squares slope of a over [i-w, i+w] with
     w = max(20, floor(n/50)) when None; s_tilde = centred moving average of the slope, half-window
     w_s = max(20, floor(n/100)) when None. i_sad = first local minimum of s_tilde with
     prominence >= p (max s_tilde - min s_tilde) among indices with a_i <= arctan(lam_sad)
     (prominence measured on the whole s_tilde); i_peak = first i > i_sad with
     s_tilde_{i+1} <= s_tilde_i and a_i <= arctan(lam_peak); d_hat = argmax over k in
-    [i_sad, i_peak] of -Delta^2 a_k = -(a_{k+1} - 2 a_k + a_{k-1}), snapped to g * ceil(d_hat/g).
+    [i_sad, i_peak] of -Delta^2 a_k = -(a_{k+1} - 2 a_k + a_{k-1}) (Eq. 5), snapped to g * ceil(d_hat/g).
     A missing saddle or peak is reported as reason "no saddle" / "no peak", not raised.
     """
     lam = np.sort(np.asarray(lam, dtype=np.float64))[::-1]

@@ -1,4 +1,4 @@
-"""Budget sweep (§5.1, Fig. validation): d_hat at nested budgets of the same prompts.
+"""Budget sweep (§5.2, Fig. val_plot): d_hat at nested budgets of the same prompts.
 
 The first N of the N_max calls of every prompt (hypergeometric thinning of the stored counts,
 ``SampledMatrix.subsample``), pruned to the common set and given to both estimators. Each row carries

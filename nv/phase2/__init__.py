@@ -1,6 +1,6 @@
 """Phase 2, depth L and parameter count P from prefill latency (§4.2, App. B.3, App. D). ``protocol``:
 the App. D timing protocol (random prefixes, warm-ups, K trials, trimmed means), checkpointed;
-``fit``: the scaling relation and its fits (Eqs. 2-10: beta, alpha, gamma_g, k, L_hat, Eq. 3 P_hat);
+``fit``: the scaling relation and its fits (Eqs. 2-10: beta, alpha, gamma_g, k, L_hat; Eq. 3 P_hat; Eq. 11 the sweep's crossover);
 ``platforms``: the timed models on each platform (in-process torch, llama.cpp server); ``evaluation``:
 leave-one-out over every model and platform, the calibration file; ``live``: phase 2 on an endpoint; ``prefill``:
 the attacker-side P_hat from the prefill curve; ``probe``: the attention probe, L from calls that extend a cached

@@ -1,4 +1,4 @@
-"""The overall figure (§5.1, Fig. overview): relative error of d_hat, L_hat, P_hat versus total budget."""
+"""The overall figure (§5.1, Fig. err_d_L_N_plot for the attacked model): relative error of d_hat, L_hat, P_hat versus total budget."""
 
 from __future__ import annotations
 

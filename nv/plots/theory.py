@@ -60,7 +60,7 @@ def carlini_vs_common_set(carlini: dict[str, tuple[np.ndarray, int]], common_sig
 
 
 def cost_overhead(d: int, overhead: dict):
-    """Fig. carlini-vs-us for one model: NightVision's tokens to reach the error target over Carlini's
+    """Fig. carlini_vs_us for one model: NightVision's tokens to reach the error target over Carlini's
     d |V| (l_sys + 2) (``overhead`` from nv.theory.carlini.cost_overhead), annotated with the samples per prompt
     N it took; an arrow marks a lower bound when the target was never reached."""
     fig, ax = plt.subplots(figsize=(6, 4))

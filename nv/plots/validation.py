@@ -1,4 +1,4 @@
-"""Validation figures across models (§5.1): Fig. validation (d_hat error versus budget), Fig. err_d_L_N, the
+"""Validation figures across models (§5.1-5.2): Fig. val_plot (d_hat error versus budget), Fig. err_d_L_N_plot, the
 per-model L_hat / P_hat errors, Fig. L_param_err_budget (the scaling relation with the real models marked is
 ``nv.plots.phase2.scaling``).
 
@@ -42,7 +42,7 @@ def _colors(models) -> dict:
 
 
 def d_vs_budget(phase1: pd.DataFrame):
-    """Fig. validation: signed relative error of d_hat_raw versus samples per prompt N, one faint line per model
+    """Fig. val_plot: signed relative error of d_hat_raw versus samples per prompt N, one faint line per model
     and the bold mean of |error| over the models saturated at that N, both estimators. Unsaturated budgets:
     red crosses in the no-estimate band; the robust estimator's lower bound as an open triangle."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
@@ -70,7 +70,7 @@ def d_vs_budget(phase1: pd.DataFrame):
         ax.set_title(f"{method} estimator")
         below(ax)
     axes[0].set_ylabel("relative error of d_hat_raw (%)")
-    fig.suptitle("Hidden dimension versus budget on every model (Fig. validation)")
+    fig.suptitle("Hidden dimension versus budget on every model (Fig. val_plot)")
     fig.tight_layout()
     return fig
 
@@ -91,7 +91,7 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
 
 
 def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
-    """Fig. err_d_L_N: |relative error| of d, L and P versus total budget (tokens), the reference platform
+    """Fig. err_d_L_N_plot: |relative error| of d, L and P versus total budget (tokens), the reference platform
     against F, every (phase-1 budget, K') case; one faint line per model, bold mean."""
     sub = cases[(cases.setup == "F") & (cases.platform == reference_platform)]
     colors = _colors(sub.model)

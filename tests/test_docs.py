@@ -1,0 +1,54 @@
+"""The README's indexes stay true: every function its equation index names exists, and the figures it names are the
+ones the DVC stages write (a renamed function or a dropped figure fails here, not in a reader's hands)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def equation_rows() -> list[tuple[str, list[str]]]:
+    """(paper cell, backticked names of the function cell) of each row of the README's equation index."""
+    table = README.split("Every numbered equation and result of the paper", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    return [(cells[0].strip("| "), re.findall(r"`([A-Za-z_][\w.]*)`", cells[-1])) for cells in rows]
+
+
+def test_every_function_of_the_equation_index_exists():
+    rows = equation_rows()
+    papers = " ".join(paper for paper, _ in rows)
+    for n in range(1, 12):  # the paper's numbered equations (App. F's proof steps are named, not numbered, here)
+        assert re.search(rf"Eqs?\. (\d+-)?{n}\b|Eqs\. {n}-", papers) or any(
+            int(a) <= n <= int(b) for a, b in re.findall(r"Eqs\. (\d+)-(\d+)", papers)), f"Eq. {n} is not indexed"
+    checked = 0
+    for paper, names in rows:
+        module = None
+        for name in names:
+            if name.startswith("nv."):
+                module_name, _, attr = name.rpartition(".")
+                module = importlib.import_module(module_name)
+            else:  # a name after a dotted one lives in the same module
+                attr = name
+            assert callable(getattr(module, attr, None)), f"{paper}: the README names {module.__name__}.{attr}: no such function"
+            checked += 1
+    assert checked >= 20
+
+
+def test_the_figures_the_readme_names_are_the_ones_the_stages_write():
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    written = set()
+    for stage in stages.values():
+        stage = stage.get("do", stage)
+        for out in stage.get("outs", []) + stage.get("plots", []):
+            path = out if isinstance(out, str) else next(iter(out))
+            if path.startswith("figures/"):
+                written.add(path)
+    named = set(re.findall(r"figures/[\w.-]+\.png", README))
+    assert written and written == named, (sorted(written - named), sorted(named - written))
+    assert all((ROOT / f).is_file() for f in written)  # committed with the run that made them
