@@ -10,7 +10,7 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.exactness import first
-from nv.phase1.planner import fit, miss_probability
+from nv.phase1.planner import fit, miss_probability, summarise
 from nv.phase1.sampling import collect, load_samples
 from synthetic import LowRankOracle
 
@@ -52,3 +52,18 @@ def test_a_pilot_too_small_to_fit_is_refused(toy):
         fit(first(toy, 4))
     with pytest.raises(NVError, match="raise the pilot's N"):
         fit(first(toy, 40).subsample(1, 0), min_seen=20)
+
+
+def test_the_summary_row_sets_each_stop_against_the_planned_N(toy):
+    """``summarise`` (the planner stage's row per model): the pilot's share of the sample, the planned N for |C| >= d
+    and tokens at the sample's rate, each measured stop over it; a stop that did not happen stays NaN."""
+    pilot = first(toy, 40).subsample(500, 1)
+    tail = fit(pilot)
+    row = summarise("toy", 100, toy, pilot, tail, stop_N=20_000, adaptive_stop_N=np.nan)
+    N_for_d = tail.samples_for(100, toy.D)
+    assert row["N_for_d"] == N_for_d and row["stop_over_N_for_d"] == 20_000 / N_for_d
+    assert row["tokens_for_d"] == pytest.approx(toy.tokens() / toy.N * N_for_d)
+    assert row["pilot_share"] == pytest.approx(40 * 500 / (400 * 20_000))
+    assert np.isnan(row["adaptive_stop_over_N_for_d"])
+    unreachable = summarise("toy", 301, toy, pilot, tail, stop_N=20_000, adaptive_stop_N=20_000)  # > |V|
+    assert np.isnan(unreachable["N_for_d"]) and np.isnan(unreachable["tokens_for_d"]) and np.isnan(unreachable["stop_over_N_for_d"])

@@ -115,24 +115,38 @@ def sample(oracle, prompts: list[str], sampling: dict, robust: dict, seed: int, 
     return folder, {"adaptive": [asdict(r) for r in rounds], "adaptive_stop": why}
 
 
-def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None = None, progress: bool = True) -> dict:
-    """The whole phase on any oracle: search, sampling (checkpointed), pruning, spectrum.
-
-    Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report.
-    ``d_true`` (white-box knowledge) is used for the error columns only.
-    """
-    search, sampling, spectrum = params["search"], params["sampling"], params["spectrum"]
+def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path, progress: bool = True
+                      ) -> tuple[Path, dict, dict]:
+    """Prompt search (App. B.1.1) and sampling (Alg. 1 lines 1-4) on any oracle, ``params``' seed, model, search,
+    sampling and spectrum sections: writes ``prompts.json`` and ``samples/`` under ``out_dir``; returns the samples
+    folder, the search's cost and the adaptive rounds (empty at a fixed N), which ``estimate_and_report`` adds."""
+    search, sampling = params["search"], params["sampling"]
     result = search_prompts(oracle, search["D"], search["rounds"], search["batch_size"], search["explore_rounds"],
                             search["threshold"], seed=params["seed"], length=search["length"], mode=search["mode"],
                             progress=progress)
     search_cost = oracle.cost.as_dict()
     (out_dir / "prompts.json").write_text(json.dumps(result.kept, ensure_ascii=False, indent=0) + "\n")
-    samples_dir, adaptive = sample(oracle, result.kept, sampling, spectrum["robust"], params["seed"], out_dir / "samples",
-                                   out_dir / ".checkpoints", {"model": params["model"]}, progress)
+    samples_dir, adaptive = sample(oracle, result.kept, sampling, params["spectrum"]["robust"], params["seed"],
+                                   out_dir / "samples", checkpoint_root, {"model": params["model"]}, progress)
+    return samples_dir, search_cost, adaptive
+
+
+def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_true: int | None, search_cost: dict,
+                        adaptive: dict, out_dir: Path) -> tuple[dict, SampledMatrix]:
+    """Pruning and both estimators (Alg. 1 lines 5-7, Alg. 2) on the samples: writes ``report.json`` and
+    ``spectrum.png`` under ``out_dir``; returns the report and the samples. No oracle is needed (its model may be
+    freed first); ``d_true`` (white-box) fills the error columns only."""
     sampled = load_samples(samples_dir)
     common = common_set(sampled)
     estimates = estimate_both(common.Y, spectrum)
     record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
     (out_dir / "report.json").write_text(json.dumps(record, indent=2) + "\n")
     save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
-    return record
+    return record, sampled
+
+
+def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None = None, progress: bool = True) -> dict:
+    """The whole phase on any oracle: search, sampling (checkpointed under ``out_dir/.checkpoints``), pruning,
+    spectrum. Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report."""
+    samples_dir, search_cost, adaptive = search_and_sample(oracle, params, out_dir, out_dir / ".checkpoints", progress)
+    return estimate_and_report(samples_dir, params["spectrum"], model_name, d_true, search_cost, adaptive, out_dir)[0]

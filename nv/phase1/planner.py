@@ -125,3 +125,17 @@ def check(model: TokenModel, S: SampledMatrix, budgets: list[int], seed: int) ->
         rows.append({"N": N, "D": S.D, "measured_C": measured, "predicted_C": model.expected_common(N, S.D),
                      "N_predicted": N_pred, "N_ratio": None if N_pred is None else N_pred / N})
     return rows
+
+
+def summarise(model: str, d_true: int, S: SampledMatrix, pilot: SampledMatrix, tail: TokenModel, stop_N: float,
+              adaptive_stop_N: float) -> dict:
+    """One model's planner row: the pilot's size and share of the full sample, the N (and tokens) the planner asks for
+    |C| >= d, and the measured stops against it: ``stop_N`` (the budget sweep's first exact budget) and
+    ``adaptive_stop_N`` (``sampling.N: auto``'s own stop; NaN for either where there is none). ``d_true`` is the
+    target only the evaluation knows."""
+    N_for_d = tail.samples_for(d_true, S.D) or np.nan
+    return {"model": model, "d_true": d_true, "D": S.D, "pilot_prompts": pilot.D, "pilot_N": pilot.N,
+            "pilot_tokens": pilot.tokens(), "pilot_share": pilot.tokens() / S.tokens(), "tokens_fitted": tail.m.size,
+            "tokens_left_out": tail.tokens_left_out, "N_for_d": N_for_d, "tokens_for_d": S.tokens() / S.N * N_for_d,
+            "stop_N": stop_N, "adaptive_stop_N": adaptive_stop_N,
+            "stop_over_N_for_d": stop_N / N_for_d, "adaptive_stop_over_N_for_d": adaptive_stop_N / N_for_d}
