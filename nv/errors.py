@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import signal
 import sys
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -20,20 +22,31 @@ PATH_ERRORS = (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ERO
 NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)  # reading a cut-short or damaged .npz
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's or ``kill``'s stop), taken as Ctrl-C: work in flight is saved, then the exit."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def run_main(work: Callable[[], object]) -> int:
     """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as do a
     full disk (ENOSPC, EDQUOT: the file it failed to write) and a path of the wrong kind or out of this user's reach
-    (EISDIR, ENOTDIR, EACCES, EPERM, EROFS: the path); Ctrl-C exit status 130 (finished work is checkpointed, so the
-    same command resumes); otherwise the status ``work`` returns when it is an int, else 0."""
+    (EISDIR, ENOTDIR, EACCES, EPERM, EROFS: the path); Ctrl-C exit status 130 and SIGTERM 143 (finished work is
+    checkpointed, paid replies in flight are journaled, so the same command resumes); otherwise the status ``work``
+    returns when it is an int, else 0."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
         status = work()
         return status if isinstance(status, int) else 0
     except NVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
     except OSError as exc:
         if exc.errno in PATH_ERRORS and exc.filename:
             print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
@@ -44,3 +57,6 @@ def run_main(work: Callable[[], object]) -> int:
         print(f"error: no space left on the device{where}: free some and rerun the same command to resume "
               "(finished work is checkpointed)", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import signal
 import subprocess
@@ -356,6 +357,39 @@ def test_kill_minus_9_then_resume_pays_nothing_twice(baseline, server, tmp_path)
     assert result(report) == result(baseline["report"])
 
 
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root, tmp_path, sig, status):
+    """Ctrl-C (or a SIGTERM, a job scheduler's stop) with four requests in flight: they are paid already, so the run
+    sends nothing new, waits for them and journals them before it exits (they used to be dropped: billed, then sent
+    again by the resume, and missing from its cost). Every request the server answered is in the journal, and the
+    resume sends only the others, once each."""
+    params = write_params(root, tmp_path, concurrency=4)
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    with FaultProxy(server.base_url) as proxy:
+        args = attack_args(proxy.url, server.model_name, params, out)
+        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while (not journal.exists() or len(journal_keys(journal)) < 12) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        stderr = proc.communicate(timeout=120)[1]
+        assert proc.returncode == status, stderr[-2000:]
+        assert "rerun the same command to resume" in stderr and "Traceback" not in stderr and "destroyed" not in stderr
+        proxy.wait_idle()
+        answered = {request_key(b) for b in proxy.forwarded}
+        done = set(journal_keys(journal))
+        assert answered == done and 12 <= len(done) < REQUESTS  # every answered request journaled, nothing else
+        before = len(proxy.forwarded)
+        rerun = run_attack(args)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        resent = [request_key(b) for b in proxy.forwarded[before:]]
+    assert not done & set(resent) and len(resent) == len(set(resent)) == REQUESTS - len(done)
+    report = json.loads((out / "report.json").read_text())
+    assert result(report) == result(baseline["report"])
+    assert report["cost"]["provider"]["calls"] == REQUESTS  # the resumed run's cost is everything paid
+
+
 def test_budget_cap_stops_before_overspending_and_a_raised_budget_resumes(baseline, server, root, tmp_path):
     """The plan under-estimates prompt tokens (live.prompt_tokens: 1), so only the in-flight cap can stop the run."""
     params = write_params(root, tmp_path, prompt_tokens=1)
@@ -541,6 +575,25 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
     unbound.close()
     with pytest.raises(NVError, match=r"belongs to another attack \(endpoint was 'e', now 'f'\)"):
         Journal(path, {"endpoint": "f", "N": 12}, unbound=("N",))
+
+
+def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog):
+    """Linux returns at most 2 GiB per read: a journal read in one ``os.pread`` came back short past that size, its
+    rest looked like a torn last line and was truncated away, paid replies with it. Here every positional read is
+    short (as past 2 GiB); the journal loads every reply and its file keeps every byte."""
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, {"endpoint": "e"})
+    for k in range(200):
+        j.put(f"k{k}", {"c": [[f"s:{k}", -1.5, []]], "p": 5, "o": 1})
+    j.close()
+    whole = path.read_bytes()
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real(fd, min(n, 1000), offset))
+    with caplog.at_level("WARNING"):
+        j = Journal(path, {"endpoint": "e"})
+    assert len(j.responses) == 200 and "torn" not in caplog.text
+    j.close()
+    assert path.read_bytes() == whole
 
 
 def test_journal_refuses_a_foreign_file_untouched_and_reuses_one_where_nothing_was_paid(tmp_path, caplog):

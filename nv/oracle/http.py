@@ -97,6 +97,10 @@ class Budget:
         return None if self.price_per_mtok is None else tokens * self.price_per_mtok / 1e6
 
 
+class _Stopped(Exception):
+    """The run was interrupted: a request not yet sent (or a retry not yet made) is not sent."""
+
+
 class _Retry(Exception):
     """A transient failure: HTTP 408, 425, 429, 5xx but 501 and 505; a timeout, dropped connection, truncated or
     non-JSON reply."""
@@ -230,6 +234,7 @@ class HTTPOracle(Oracle):
         self._reserved_calls = 0
         self._reserved_tokens = 0
         self._next_slot = 0.0
+        self._stopping = False  # set on Ctrl-C: the requests in flight finish and are journaled, nothing new is sent
         self._quiet_until = 0.0  # the next _notice may be written from this time.monotonic() on
         self._client: httpx.AsyncClient | None = None
         self._loop = asyncio.new_event_loop()
@@ -426,9 +431,19 @@ class HTTPOracle(Oracle):
         records: list[dict] = [{}] * total if take is None else []
         take = take or records.__setitem__
         bar = tqdm(total=total, desc="requests", unit="req", leave=False, position=1, disable=not self.progress or total < 2)
+        self._stopping = False
+        future = asyncio.run_coroutine_threadsafe(self._gather(enumerate(bodies), take, key_extra, bar), self._loop)
         try:
-            future = asyncio.run_coroutine_threadsafe(self._gather(enumerate(bodies), take, key_extra, bar), self._loop)
             future.result()
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, see run_main): the requests in flight are paid for already
+            self._stopping = True  # no new request, no retry; wait for the replies in flight and journal them
+            bar.close()
+            print("interrupted: journaling the replies in flight (Ctrl-C again to abandon them)", file=sys.stderr)
+            try:
+                future.result()
+            except Exception:
+                pass
+            raise
         finally:
             bar.close()
         return records
@@ -441,6 +456,8 @@ class HTTPOracle(Oracle):
 
         async def worker():
             for i, body in jobs:
+                if self._stopping:
+                    return
                 try:
                     take(i, await self._call(body, key_extra))
                 except BaseException as exc:  # stop taking work; requests in flight finish and are journaled
@@ -472,6 +489,8 @@ class HTTPOracle(Oracle):
         self._reserve(estimate)
         try:
             await self._pace(estimate)
+            if self._stopping:
+                raise _Stopped
             timed = "timed" in (key_extra or {})
             record = await self._post(body, timed)
         finally:
@@ -526,6 +545,8 @@ class HTTPOracle(Oracle):
         url = f"{self.base_url}/{'chat/completions' if self.chat else 'completions'}"
         last = ""
         for attempt in range(self.limits.retries + 1):
+            if attempt and self._stopping:
+                raise _Stopped
             if attempt:
                 self.stats["retries"] += 1
             try:

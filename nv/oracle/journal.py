@@ -130,35 +130,40 @@ class Journal:
             self._load(entry, n)
 
     def _read_entries(self) -> list[dict]:
-        raw = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
-        lines = raw.split(b"\n")
-        whole, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline (a torn write)
-        entries = []
-        for i, line in enumerate(whole):
-            try:
-                entry = json.loads(line)
-                if not isinstance(entry, dict):
-                    raise ValueError
-            except ValueError:
-                if i < len(whole) - 1 or tail:
+        """Every whole line, read line by line (never in one read: Linux returns at most 2 GiB per read, and a
+        journal cut short there would pass for a torn last line and be truncated, its paid replies lost)."""
+        size = os.fstat(self._fd).st_size
+        entries, whole, tail = [], 0, b""  # tail: an unparsable last line, or bytes after the last newline
+        with open(self.path, "rb") as f:
+            for i, line in enumerate(f):
+                if tail:  # the unparsable line was not the last one
                     self.close()
-                    if i == 0:
+                    if i == 1:
                         raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new "
-                                      "--journal path") from None
-                    raise NVError(f"journal {self.path}: line {i + 1} is corrupt, so the journal cannot be trusted "
-                                  f"{_RECOVER.format(keep=i)}") from None
-                tail = line + b"\n"  # an unparsable last line is torn too
-                break
-            entries.append(entry)
+                                      "--journal path")
+                    raise NVError(f"journal {self.path}: line {i} is corrupt, so the journal cannot be trusted "
+                                  f"{_RECOVER.format(keep=i - 1)}")
+                try:
+                    entry = json.loads(line) if line.endswith(b"\n") else None
+                    if not isinstance(entry, dict):
+                        raise ValueError
+                except ValueError:
+                    tail = line
+                    continue
+                entries.append(entry)
+                whole += len(line)
+        if whole + len(tail) != size:
+            self.close()
+            raise NVError(f"journal {self.path} changed size while it was read ({size} bytes, then {whole + len(tail)}): "
+                          "is another program writing it?")
         start = b'{"binding":'  # how a header (canonical: sorted keys) begins
         if (entries and (entries[0].get("journal") != MAGIC or entries[0].get("version") != VERSION)) or (
                 not entries and tail and not (tail.startswith(start) or start.startswith(tail))):  # no header, nor a torn one
             self.close()  # before anything is truncated: someone else's file stays as it was
             raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
         if tail:
-            keep = len(raw) - len(tail)
             log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))
-            os.ftruncate(self._fd, keep)
+            os.ftruncate(self._fd, whole)
             os.fsync(self._fd)
         return entries
 
