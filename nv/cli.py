@@ -64,6 +64,16 @@ LIVE_ONLY = ("model", "journal", "budget_tokens", "budget_calls", "budget_money"
 TIMING_DEFAULTS = {"timing_k": 1.0, "context_length": 8192}
 
 
+def summary(record: dict) -> dict:
+    """The attack's last line on stdout (JSON; the full report is OUT/report.json): the estimate, its cost, why the
+    adaptive loop stopped, and phase 2's depth and size where it ran."""
+    out = {k: record[k] for k in ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}
+    out |= {k: record[k] for k in ("adaptive_stop", "cost") if k in record}
+    if "timing" in record:
+        out["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "P_hat", "note")}
+    return out
+
+
 def attack(args: argparse.Namespace) -> int:
     if (args.simulate is None) == (args.base_url is None):
         raise NVError("give exactly one target: --simulate MODEL or --base-url URL --model NAME")
@@ -102,7 +112,7 @@ def attack(args: argparse.Namespace) -> int:
     record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
     record["defence"] = defence.as_dict()
     (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}))
+    print(json.dumps(summary(record)))
     return 0
 
 
@@ -130,20 +140,16 @@ def attack_live(args: argparse.Namespace) -> int:
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
-    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None)
+    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None, (args.base_url, args.model))
     if args.dry_run:
-        print(live.format_plan(plan, params, args.model, args.base_url, timing))
+        print(live.format_plan(plan, params, args.model, args.base_url, budget, timing))
         live.check_budget(plan, budget)
         print(json.dumps(plan))
         return 0
     out = _writable(Path(args.out))
     journal = Path(args.journal) if args.journal else out / "journal.jsonl"
     record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
-    keys = ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")
-    summary = {k: record[k] for k in keys} | {"cost": record["cost"]}
-    if "timing" in record:
-        summary["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "P_hat", "note")}
-    print(json.dumps(summary))
+    print(json.dumps(summary(record)))
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from nv.errors import NVError
@@ -26,6 +27,9 @@ REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns"
 # asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
 # every paid reply, and the journal's cost stays everything paid through it
 UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
+# a paid reply in the journal: bytes of its line on disk, and of its record held in memory while the attack runs
+# (measured on 2·10^5 one-sample replies; loading a journal peaks at ~870 bytes per reply)
+JOURNAL_BYTES = {"disk": 126, "memory": 650}
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:
@@ -50,7 +54,7 @@ def _cost(params: dict, budget: Budget, N: int) -> dict:
             "minutes_at_rate_limits": max(paced) if any(paced) else None}
 
 
-def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
+def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[str, str] | None = None) -> dict:
     """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
 
     Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
@@ -62,11 +66,13 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
     and N if next tokens were uniform over an effective vocabulary of |V'| tokens, for a few |V'|
     (high-entropy prompts spread over a sub-vocabulary; Corollary 1 makes that precise). With ``pilot`` (the
     samples folder of an earlier, small run on the same endpoint): the N, and its cost, at which the planner
-    (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens.
+    (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens; ``target`` (endpoint, model)
+    names the attack planned, and a pilot drawn elsewhere (another endpoint or model, a simulated model) is flagged.
     """
     search, sampling = params["search"], params["sampling"]
     drawn = None
     if pilot is not None:
+        from nv.outputs import read_json
         from nv.phase1.sampling import MANIFEST, load_samples
 
         if not (pilot / MANIFEST).is_file() and (pilot / "samples" / MANIFEST).is_file():
@@ -75,43 +81,57 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None) -> dict:
         if drawn.temperature != sampling["temperature"]:
             raise NVError(f"the pilot in {pilot} was sampled at tau = {drawn.temperature:g}, the plan is for tau = "
                           f"{sampling['temperature']:g}: a pilot predicts only its own temperature")
-        # the pilot's replies measured the prompt tokens per call (system prompt, template, input) on this endpoint
+        # the pilot's replies measured the prompt tokens per call (system prompt, template, input) on its endpoint
         params = {**params, "live": {**params["live"], "prompt_tokens": max(1, round(float(drawn.prompt_tokens.mean())))}}
+        source = pilot_source(read_json(pilot / MANIFEST).get("model"), params["live"], target)
     adaptive = sampling["N"] == "auto"
     rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
     N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
+    total = _cost(params, budget, N)
     out = {
         "D": search["D"],
-        **_cost(params, budget, N),
+        **total,
         "adaptive": adaptive,
         "rounds": [_cost(params, budget, r) for r in rounds],
         "search_calls": search["rounds"] * search["batch_size"],
         "prompt_tokens_per_call": params["live"]["prompt_tokens"],
         "prompt_tokens_from": "estimate: live.prompt_tokens" if drawn is None else "measured by the pilot",
         "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
+        "journal_bytes": {k: v * total["requests"] for k, v in JOURNAL_BYTES.items()},
     }
     if drawn is not None:
         from nv.phase1.planner import fit
 
         tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
-        out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0,
+        out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0, **source,
                         "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n)) for size, n in needed.items()}}
     return out
 
 
-def format_plan(p: dict, params: dict, model: str, base_url: str, timing: dict | None = None) -> str:
+def pilot_source(model: object, live: dict, target: tuple[str, str] | None) -> dict:
+    """Where a pilot was drawn (its manifest's ``model``: an endpoint's identity or a simulated model's params) and, as
+    ``elsewhere``, how that differs from the ``target`` (endpoint, model) and request shape planned (None: the same)."""
+    model = model if isinstance(model, dict) else {}
+    if "endpoint" not in model:
+        return {"source": f"simulated model {model.get('spec', '?')!r}",
+                "elsewhere": None if target is None else "a simulated model"}
+    source = f"{model['endpoint']}, model {model.get('model')!r}"
+    differs = [what for what, a, b in (("endpoint", model["endpoint"],
+                                        None if target is None else split_credentials(target[0])[0].rstrip("/")),
+                                       ("model", model.get("model"), None if target is None else target[1]),
+                                       ("chat mode (live.chat)", model.get("chat"), live["chat"])) if b is not None and a != b]
+    return {"source": source, "elsewhere": f"another {' and '.join(differs)}" if differs else None}
+
+
+def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget, timing: dict | None = None) -> str:
     """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with ``timing``
     (``attack``'s: the calibration and the d_hat given, if any)."""
     calibration = None if timing is None else timing["calibration"]
     placed = "phase 1's d_hat" if timing is None or not timing["d_hat"] else f"d_hat = {timing['d_hat']}"
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
-    adaptive = ("\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
-                "larger);\n  cumulative tokens (§5) by round while unsaturated: "
-                + ", ".join(f"N = {r['N']:,}: {r['tokens_paper']:.3g}" for r in p["rounds"])
-                + "\n                    (the caps above are for N_max; a budget cap ends the run after its last affordable round)"
-                ) if p["adaptive"] else ""
+    adaptive = _format_rounds(p["rounds"], budget) if p["adaptive"] else ""
     return (
         f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent):\n"
         f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
@@ -121,6 +141,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, timing: dict |
         f"  tokens (§5)       {p['tokens_paper']:,} = (prompt + 1) x calls, prompt ~ {p['prompt_tokens_per_call']} tokens ({p['prompt_tokens_from']})\n"
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
         f"  time              {_duration(p['minutes_at_rate_limits'], live)}\n"
+        f"  journal           ~{_size(p['journal_bytes']['disk'])} on disk, ~{_size(p['journal_bytes']['memory'])} of memory "
+        "while the attack runs (every paid reply is held; README, Live endpoint)\n"
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
@@ -129,6 +151,29 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, timing: dict |
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
            f"placed from {placed}), one output token each; not in the totals above")
     )
+
+
+def _format_rounds(rounds: list[dict], budget: Budget) -> str:
+    """The adaptive loop's rounds with their cumulative cost, and the first round a budget cap stops the run before."""
+    lines = ["\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
+             "larger); cumulative cost by round while unsaturated:"]
+    stopped = False
+    for r in rounds:
+        line = (f"                    N = {r['N']:>11,}: {r['requests']:.3g} requests, {r['tokens_paper']:.3g} tokens (§5), "
+                f"{r['tokens_billed']:.3g} billed" + ("" if r["money"] is None else f", money {r['money']:.4g}"))
+        over = _over(r, budget)
+        if over and not stopped:
+            line += f"  <- past --budget-{over[0]} {over[1]:,.6g}: the run stops before this round"
+            stopped = True
+        lines.append(line)
+    lines.append("                    (the totals below are N_max's, the worst case; a cap ends the run after its last "
+                 "affordable round)")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    return next(f"{n / 1024**i:.3g} {unit}" for i, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB"), (0, "B"))
+                if n >= 1024**i or i == 0)
 
 
 def _duration(minutes: float | None, live: dict) -> str:
@@ -144,8 +189,12 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     if "pilot" not in p:
         return ""
     pilot = p["pilot"]
-    lines = [f"\n  planner (pilot)   from {pilot['D0']:,} prompts x {pilot['N0']:,} calls in {pilot['folder']}: the N at which "
-             f"all D = {p['D']:,} prompts are expected to share |C| tokens (Theorem 1's mean, fitted tail)"]
+    lines = [f"\n  planner (pilot)   from {pilot['D0']:,} prompts x {pilot['N0']:,} calls in {pilot['folder']} (drawn from "
+             f"{pilot['source']}): the N at which all D = {p['D']:,} prompts are expected to share |C| tokens (Theorem 1's "
+             "mean, fitted tail)"]
+    if pilot["elsewhere"]:
+        lines.append(f"                    NOTE: the pilot was drawn from {pilot['elsewhere']}, not from this plan's target: "
+                     "its prompt tokens per call and its tail are that target's, not necessarily this one's")
     for size, c in pilot["common_set"].items():
         cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:.3g} tokens (§5), "
                                                     f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else ""))
@@ -154,16 +203,25 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     return "\n".join(lines)
 
 
+def _over(cost: dict, budget: Budget) -> tuple[str, float, float] | None:
+    """The first cap that ``cost`` (a ``_cost`` dict) passes, as (what, cap, need), or None."""
+    for what, cap, need in (("calls", budget.calls, cost["requests"]), ("tokens", budget.tokens, cost["tokens_billed"]),
+                            ("money", budget.money, cost["money"])):
+        if cap is not None and need is not None and need > cap:
+            return what, cap, need
+    return None
+
+
 def check_budget(p: dict, budget: Budget) -> None:
     """Refuse, before anything is spent, a budget below the planned requests, tokens or money (adaptive: below the
     first round; the run stops after the last round the budget affords)."""
     if p["adaptive"]:
         p = {**p, **p["rounds"][0]}
-    for what, cap, need in (("calls", budget.calls, p["requests"]), ("tokens", budget.tokens, p["tokens_billed"]),
-                            ("money", budget.money, p["money"])):
-        if cap is not None and need is not None and need > cap:
-            raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {p['N']:,}) needs {need:,.6g} "
-                          f"{what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
+    over = _over(p, budget)
+    if over:
+        what, cap, need = over
+        raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {p['N']:,}) needs {need:,.6g} "
+                      f"{what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
 
 
 def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Path, budget: Budget,
@@ -188,26 +246,40 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         if timing is not None:
             from nv.phase2.live import timing_phase
 
+            # phase 1's report, whole, while phase 2 runs: a phase 2 that fails or is stopped leaves it, marked
+            _write_report(out, record | {"timing": {"note": "phase 2 did not finish: rerun the same command (its paid "
+                                                            "calls are journaled)"}})
             d_hat = timing["d_hat"] or record["d_hat"]
             record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],
                                        timing["vocab_size"], params["seed"], out / ".checkpoints" / "timing.jsonl", progress))
             record["cost"]["paper"] = oracle.cost.as_dict()  # phase 1 + the timed calls
             record["cost"]["provider"] = oracle.provider_cost.as_dict()
-        (out / "report.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        _write_report(out, record)
         return record
     finally:
         oracle.close()
         journal.close()
 
 
+def _write_report(out: Path, record: dict) -> None:
+    """``out/report.json``, replaced whole (a temporary file, then a rename): never a half-written report."""
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, out / "report.json")
+
+
 def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -> dict:
     """The report's endpoint fields. Everything but ``http`` is a function of the journal and the
     data, so a resumed or fault-ridden run reports the same; ``http`` is this process's traffic."""
+    from nv.phase1.sweep import d_interval
+
     billed = oracle.provider_cost
     unidentified = sum(key is None for r in oracle.journal.responses.values() for key, _, _ in r.get("c", []))
     sad, peak = record["i_sad"], record["i_peak"]
+    lo, hi = d_interval(record["d_hat_raw"], record["lower_bound"])
     return {
         "endpoint": oracle.base_url,
+        "d_interval": [lo, None if math.isinf(hi) else hi],  # the detector's (budget sweep): d_hat_raw +- max(3, 0.5 %)
         "aoi": None if sad is None or peak is None else [sad, peak],
         "logprob_mode": oracle.logprob_mode(prompts, sampled),
         "n_per_request": oracle.n_per_request,
@@ -217,6 +289,7 @@ def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -
             "provider": billed.as_dict(),
             "price_per_mtok": oracle.budget.price_per_mtok,
             "money": oracle.budget.money_of(billed.tokens),
+            "caps": {"tokens": oracle.budget.tokens, "calls": oracle.budget.calls, "money": oracle.budget.money},
         },
         "unidentified_tokens": unidentified,
         "http": dict(oracle.stats),

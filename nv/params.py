@@ -45,6 +45,11 @@ def _opt(types, ok: Callable[[object], bool], rule: str) -> Check:
     return ((*types, type(None)), lambda v: v is None or ok(v), f"null or {rule}")
 
 
+# what every request of the attack sets itself (nv.oracle.http's body): live.extra_body may add fields, not change these
+REQUEST_FIELDS = {"model", "max_tokens", "temperature", "messages", "prompt", "logprobs", "top_logprobs", "n", "seed",
+                  "stream"}
+
+
 def _plain_json(value) -> bool:
     """Sendable as a request body: JSON with no dates, NaN or other YAML-only values."""
     try:
@@ -148,7 +153,9 @@ SCHEMA: dict[str, dict] = {
         "chat": _BOOL,
         "n_per_request": _POS_INT,
         "top_logprobs": _NONNEG_INT,
-        "extra_body": (dict, _plain_json, "a mapping of plain JSON (no dates, no NaN)"),
+        "extra_body": (dict, lambda v: _plain_json(v) and not set(v) & REQUEST_FIELDS,
+                       f"a mapping of plain JSON (no dates, no NaN) setting none of the attack's own fields "
+                       f"({', '.join(sorted(REQUEST_FIELDS))}: the report would describe other requests than were sent)"),
         "columns": _POS_INT,
         "prompt_tokens": _POS_INT,
         "concurrency": _POS_INT,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     planned_json = json.loads(dry.stdout.strip().splitlines()[-1])
     pilot = planned_json["pilot"]
     assert (pilot["D0"], pilot["N0"]) == (40, 5000) and "planner (pilot)" in dry.stdout
+    # drawn from a simulated model, not from the endpoint planned: said, as its prompt tokens and tail are that model's
+    assert pilot["source"] == "simulated model 'embedded'" and "NOTE: the pilot was drawn from a simulated model" in dry.stdout
     drawn = load_samples(out / "samples")  # its replies measured the prompt tokens per call: the plan's costs use them
     assert planned_json["prompt_tokens_per_call"] == round(float(drawn.prompt_tokens.mean())) != 45
     assert f"prompt ~ {planned_json['prompt_tokens_per_call']} tokens (measured by the pilot)" in dry.stdout
@@ -86,7 +89,14 @@ def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, 
     assert report["N"] == 2500 and report["calls"] == 40 * 2500 + 48 and not report["saturated"]
     assert report["adaptive"][-1]["lower_bound"] == report["lower_bound"] and report["adaptive"][-1]["C"] == report["common_set_size"]
     assert all(a["C"] <= b["C"] + 3 for a, b in zip(report["adaptive"], report["adaptive"][1:]))  # the common set grows with N
-    assert "round 2: N = 2,500" in proc.stdout + proc.stderr
+    # the rounds and the stop go to stderr beside the bars; stdout is the JSON summary alone, with why it stopped
+    assert "round 2: N = 2,500" in proc.stderr and "round 2" not in proc.stdout
+    assert json.loads(proc.stdout)["adaptive_stop"] == "N_max"
+    assert re.search(r"stopped: N_max = 2,500 reached, the estimate not yet stable; the next round \(N = 5,000\) would "
+                     r"cost [\d.e+]+ more tokens \(§5\): raise sampling.N_max", proc.stderr), proc.stderr[-1000:]
+    quiet = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params_path), "--out", str(out),
+                                 "--quiet"], capture_output=True, text=True, timeout=900)  # resumes: nothing drawn again
+    assert quiet.returncode == 0 and json.loads(quiet.stdout)["adaptive_stop"] == "N_max" and "round" not in quiet.stderr
 
 
 def test_attack_errors_are_one_line_without_traceback(root, tmp_path):

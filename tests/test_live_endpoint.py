@@ -301,6 +301,8 @@ def test_attack_end_to_end_reports_not_saturated_at_a_tiny_budget(baseline, serv
     assert all(b["max_tokens"] == 1 and b["logprobs"] is True and b["top_logprobs"] == 0 for b in baseline["forwarded"])
     assert (baseline["out"] / "spectrum.png").stat().st_size > 10_000
     assert json.loads(baseline["stdout"].strip().splitlines()[-1])["saturated"] is False
+    # not saturated: the interval is the bound and above; the caps it ran under (none) are in the report
+    assert report["d_interval"] == [report["lower_bound"], None] and report["cost"]["caps"] == dict.fromkeys(("tokens", "calls", "money"))
 
 
 def test_dry_run_plans_the_calls_the_attack_made_and_sends_nothing(baseline, server, root, tmp_path):
@@ -391,26 +393,45 @@ def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root
 
 
 def test_budget_cap_stops_before_overspending_and_a_raised_budget_resumes(baseline, server, root, tmp_path):
-    """The plan under-estimates prompt tokens (live.prompt_tokens: 1), so only the in-flight cap can stop the run."""
+    """The plan under-estimates prompt tokens (live.prompt_tokens: 1) and passes the budget check; the prompt search
+    then measures them, and the sampling that would pass the cap is refused before any of it is sent (it used to be
+    started on the estimate and stopped by the in-flight cap, which
+    ``test_call_and_money_caps_stop_the_run_before_they_are_passed`` tests)."""
     params = write_params(root, tmp_path, prompt_tokens=1)
     cap = baseline["report"]["cost"]["provider"]["tokens"] // 2
     out = tmp_path / "out"
     with FaultProxy(server.base_url) as proxy:
         args = attack_args(proxy.url, server.model_name, params, out)
         stopped = run_attack(args + ["--budget-tokens", str(cap)])
-        assert stopped.returncode == 2 and stopped.stderr.startswith("error: budget reached")
-        assert len(stopped.stderr.strip().splitlines()) == 1 and "Traceback" not in stopped.stderr
+        assert stopped.returncode == 2 and stopped.stderr.startswith("error: budget reached before sampling 8 calls per prompt: ")
+        assert "would pass the tokens cap" in stopped.stderr and "Traceback" not in stopped.stderr
+        assert len(stopped.stderr.strip().splitlines()) == 1
         journal = Journal(out / "journal.jsonl", binding(proxy.url, server.model_name, _load(params)))
         spent, requests = journal.prompt_tokens + journal.output_tokens, journal.requests
         journal.close()
-        assert spent <= cap and requests == len(proxy.forwarded) > 0  # under the cap, every paid reply kept
+        assert spent <= cap and requests == len(proxy.forwarded) == 2 + 4  # the probe and the search: no sample sent
         resumed = run_attack(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert len(proxy.forwarded) == REQUESTS  # nothing paid twice across the two runs
     assert result(json.loads((out / "report.json").read_text())) == result(baseline["report"])
 
 
-def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path):
+def test_a_pilot_drawn_elsewhere_is_flagged():
+    """``--pilot`` from another endpoint, model or chat mode, or from a simulated model, was taken silently, its prompt
+    tokens per call replacing the estimate: the plan now names where it was drawn and flags a different target."""
+    from nv.live import pilot_source
+
+    live = {"chat": True}
+    drawn = {"endpoint": "http://127.0.0.1:8080/v1", "model": "m", "chat": True}
+    assert pilot_source(drawn, live, ("http://user:pw@127.0.0.1:8080/v1/", "m")) == {
+        "source": "http://127.0.0.1:8080/v1, model 'm'", "elsewhere": None}
+    assert pilot_source(drawn, live, ("https://api.other.example/v1", "gpt-x"))["elsewhere"] == "another endpoint and model"
+    assert pilot_source(drawn, {"chat": False}, ("http://127.0.0.1:8080/v1", "m"))["elsewhere"] == "another chat mode (live.chat)"
+    assert pilot_source({"spec": "embedded"}, live, ("http://127.0.0.1:8080/v1", "m")) == {
+        "source": "simulated model 'embedded'", "elsewhere": "a simulated model"}
+
+
+def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path, monkeypatch):
     """http://user:password@host/v1 (a server behind a proxy that asks for Basic credentials): every request carries
     them, and no file the attack writes, nor its output, holds them."""
     out = tmp_path / "out"
@@ -424,9 +445,13 @@ def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path)
     assert "s3cret" not in proc.stdout + proc.stderr
     assert json.loads((out / "report.json").read_text())["endpoint"] == proxy.url
     with FaultProxy(server.base_url, mode="401") as refusing:  # refused: the hint points at what was used
-        for url, fix in ((refusing.url.replace("http://", "http://auditor:wrong@"), "check the user and password in the URL"),
-                         (refusing.url, "set the API key variable ($OPENAI_API_KEY)")):
-            with HTTPOracle(url, server.model_name) as oracle, pytest.raises(NVError, match=re.escape(fix)) as err:
+        monkeypatch.setenv("NV_TEST_KEY", "sk-wrong")
+        for url, env, fix in ((refusing.url.replace("http://", "http://auditor:wrong@"), "OPENAI_API_KEY",
+                               "check the user and password in the URL"),
+                              (refusing.url, "NV_TEST_UNSET_KEY", "set the API key variable ($NV_TEST_UNSET_KEY)"),
+                              (refusing.url, "NV_TEST_KEY", "$NV_TEST_KEY is set, but not to a key it accepts")):
+            with HTTPOracle(url, server.model_name, api_key_env=env) as oracle, \
+                    pytest.raises(NVError, match=re.escape(fix)) as err:
                 oracle.preflight()
             assert "wrong" not in str(err.value) and "refused the credentials (HTTP 401)" in str(err.value)
 
@@ -736,6 +761,16 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert again["timing"]["L_hat_eq10"] == pytest.approx(t["L_hat_eq10"] / 2, rel=1e-12)
     timed = 2 + 4 + 6 * 4  # warm-ups, the ell = 1 baseline's 4 trials, 6 lengths x 4 trials
     assert again["cost"]["paper"]["calls"] == report["cost"]["paper"]["calls"] == 4 * 8 + 4 + timed
+    # a phase 2 the calls cap stops (phase 1's 38 requests fit 45, its 30 timed calls do not) leaves phase 1's report
+    # whole, marked (it was overwritten by a phase-1-only one, without its cost and endpoint)
+    capped = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", "--timing-calibration",
+                                    str(calibration_file), "--timing-d-hat", "576", "--context-length", "512",
+                                    "--budget-calls", "45"))
+    assert capped.returncode == 2 and capped.stderr.startswith("error: budget reached"), capped.stderr[-2000:]
+    partial = json.loads((tmp_path / "out4" / "report.json").read_text())
+    assert partial["timing"]["note"].startswith("phase 2 did not finish") and partial["cost"]["provider"]["calls"] == 38
+    assert {k: v for k, v in partial.items() if k not in ("timing", "cost", "http")} == {
+        k: v for k, v in report.items() if k not in ("timing", "cost", "http")}
     # without a d_hat (tiny phase 1: not saturated) phase 2 says why instead of timing anything
     no_d = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out2", "--timing-calibration",
                                   str(calibration_file)))
@@ -815,7 +850,10 @@ def test_defend_bad_arguments_are_one_line(server, capsys):
 
 def test_adaptive_rounds_resume_after_kill_minus_9_without_paying_twice(server, root, tmp_path):
     """`sampling.N: auto` on the endpoint: rounds N = 4, 8, 16 (4 + 4 + 8 new calls per prompt). Killed mid-run, the
-    rerun sends only what no finished request answered, each once, and reaches the uninterrupted run's result."""
+    rerun sends only what no finished request answered, each once, and reaches the uninterrupted run's result. A rerun
+    under a calls cap of 40, which affords round 1 (38 requests in all) but not round 2, finishes the interrupted
+    round 1: the requests of its unfinished shard already journaled are not counted against the cap again (they were,
+    and the round was refused)."""
     params = yaml.safe_load(write_params(root, tmp_path).read_text())
     params["sampling"].update(N="auto", N0=4, N_max=16, growth=2.0)
     path = tmp_path / "adaptive.yaml"
@@ -831,10 +869,15 @@ def test_adaptive_rounds_resume_after_kill_minus_9_without_paying_twice(server, 
     journal = out / "journal.jsonl"
     with FaultProxy(server.base_url) as proxy:
         args = attack_args(proxy.url, server.model_name, path, out)
-        done = kill_after(args, journal, 30)
-        assert 30 <= len(done) < requests and not (out / "report.json").exists()
+        done = kill_after(args, journal, 25)
+        # inside round 1's first shard (requests 23-30; round 1 is requests 23-38, two shards of 2 prompts x 4 calls)
+        assert 25 <= len(done) < 30 and not (out / "report.json").exists()
         proxy.wait_idle()
         before = len(proxy.forwarded)
+        capped = run_attack(args + ["--budget-calls", "40"])
+        assert capped.returncode == 0, capped.stderr[-3000:]
+        summary = json.loads(capped.stdout)
+        assert summary["adaptive_stop"].startswith("round 2 (N = 16, ") and summary["cost"]["provider"]["calls"] == 38
         rerun = run_attack(args)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         resent = [request_key(b) for b in proxy.forwarded[before:]]
@@ -858,7 +901,7 @@ def test_adaptive_round_the_budget_cannot_finish_is_not_started(server, root, tm
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [r["N"] for r in report["adaptive"]] == [4, 8] and report["N"] == 8
     assert report["adaptive_stop"].startswith("round 2 (N = 16, ") and "would pass the calls cap of 50" in report["adaptive_stop"]
-    assert "stopped: round 2 (N = 16, " in proc.stdout
+    assert json.loads(proc.stdout)["adaptive_stop"] == report["adaptive_stop"]  # stdout: the JSON summary alone
     with FaultProxy(server.base_url, {two_rounds - 3: "400"}) as proxy:  # a request of round 1
         proc = run_attack(attack_args(proxy.url, server.model_name, path, tmp_path / "out2"))
     assert proc.returncode == 2 and "refused the request: HTTP 400" in proc.stderr and "not affordable" not in proc.stderr

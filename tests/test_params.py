@@ -72,6 +72,9 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
         load_params(tmp_path / "latin.yaml")
     with pytest.raises(NVError, match="'live.extra_body' must be a mapping of plain JSON"):  # a YAML date: no JSON
         load_params(write(tmp_path, {**params, "live": {**params["live"], "extra_body": {"when": datetime.date(2024, 1, 1)}}}), ["live"])
+    for field in ("temperature", "max_tokens", "model"):  # it was merged after the attack's own fields, and won
+        with pytest.raises(NVError, match=r"'live.extra_body' must be .* setting none of the attack's own fields"):
+            load_params(write(tmp_path, {**params, "live": {**params["live"], "extra_body": {field: 1}}}), ["live"])
     params["search"].update({1: 5, "foo": 3})  # unknown keys of two types: named, not a TypeError from sorting them
     with pytest.raises(NVError, match="unknown key 'search.1'"):
         load_params(write(tmp_path, params), ["search"])

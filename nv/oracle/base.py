@@ -98,9 +98,11 @@ class Oracle(ABC):
     def time_request(self, prompt: str) -> TimedCall:
         """One call with one output token, timed client-side from request to that token."""
 
-    def refuses(self, prompt_tokens: Sequence[int], n: int) -> str | None:
-        """Why ``n`` more calls for each prompt (``prompt_tokens``: each one's tokens per call) would pass a budget
-        cap of this backend, or None (a backend without a budget: never)."""
+    def refuses(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence,
+                prompt_tokens: Sequence[int] | None = None) -> str | None:
+        """Why ``sample(prompts, n, temperature, seeds)`` would pass a budget cap of this backend, or None (a backend
+        without a budget: never). ``prompt_tokens``: each prompt's tokens per call where a sample measured them; else
+        the backend's own measure of them, or its estimate."""
         return None
 
     @contextmanager

@@ -282,8 +282,8 @@ class DefendedOracle(Oracle):
     def repeats(self):
         return self.inner.repeats()
 
-    def refuses(self, prompt_tokens, n: int) -> str | None:
-        return self.inner.refuses(prompt_tokens, n)
+    def refuses(self, prompts, n: int, temperature: float, seeds, prompt_tokens=None) -> str | None:
+        return self.inner.refuses(prompts, n, temperature, seeds, prompt_tokens)
 
     def time_request(self, prompt: str) -> TimedCall:
         d = self.defence

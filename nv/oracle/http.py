@@ -226,6 +226,7 @@ class HTTPOracle(Oracle):
         self.greedy: dict[str, tuple[int, float]] = {}  # prompt -> (column or -1, log-prob) of its T = 0 call
         self._probe_pairs: list[tuple[float, float]] = []  # (T = 0, T = 0.5) log-probs of the probe's argmax token
         key = os.environ.get(api_key_env)
+        self._key_env = (api_key_env, bool(key))
         self._basic_auth = bool(basic_auth)
         self._headers = basic_auth or ({"Authorization": f"Bearer {key}"} if key else {})
         self._prompt_len: dict[str, int] = {}
@@ -272,7 +273,9 @@ class HTTPOracle(Oracle):
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise NVError(f"cannot reach {url}: {type(exc).__name__} {exc}".strip()) from None
         if r.status_code in (401, 403):
-            fix = "check the user and password in the URL" if self._basic_auth else "set the API key variable ($OPENAI_API_KEY)"
+            env, given = self._key_env
+            fix = ("check the user and password in the URL" if self._basic_auth else
+                   f"${env} is set, but not to a key it accepts: check its value" if given else f"set the API key variable (${env})")
             raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): {fix}")
         try:
             data = r.json()
@@ -312,10 +315,8 @@ class HTTPOracle(Oracle):
         and how many calls revealed it (with ``top_logprobs`` > 0 the top entries count as reveals too).
         """
         check_sampling(n, temperature, prompts, seeds)
-        per = self.n_per_request
-        sizes = [min(per, n - j * per) for j in range(math.ceil(n / per))]
-        bodies = (self._body(p, temperature, size, request_seed(s, j), logprobs=True)
-                  for p, s in zip(prompts, seeds) for j, size in enumerate(sizes))
+        sizes = self._sizes(n)
+        bodies = (self._sample_body(prompts, temperature, seeds, sizes, i) for i in range(len(prompts) * len(sizes)))
         seen: list[dict[str, list]] = [{} for _ in prompts]  # token key -> [log-prob at first sight, reveals]
         ell = [0] * len(prompts)
 
@@ -402,7 +403,7 @@ class HTTPOracle(Oracle):
     # -- requests ---------------------------------------------------------------------------
 
     def _body(self, prompt: str, temperature: float, n: int, seed: int | None, logprobs: bool) -> dict:
-        body = {"model": self.model, "max_tokens": 1, "temperature": temperature, **self.extra_body}
+        body = {**self.extra_body, "model": self.model, "max_tokens": 1, "temperature": temperature}  # ours win
         if self.chat:
             body["messages"] = [{"role": "user", "content": prompt}]
             if logprobs:
@@ -512,12 +513,47 @@ class HTTPOracle(Oracle):
                ("tokens", b.tokens) if b.tokens is not None and total > b.tokens else \
                ("money", b.money) if b.money is not None and money is not None and money > b.money else None
 
-    def refuses(self, prompt_tokens: Sequence[int], n: int) -> str | None:
-        per = math.ceil(n / self.n_per_request)
-        requests, tokens = len(prompt_tokens) * per, int(np.sum(prompt_tokens)) * per + len(prompt_tokens) * n
+    def refuses(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence,
+                prompt_tokens: Sequence[int] | None = None) -> str | None:
+        """The sample's requests not yet in the journal (a resumed run's are served free) against the caps."""
+        if prompt_tokens is None:  # measured by this run's replies (the search's, for the first round), else estimated
+            prompt_tokens = [self._prompt_len.get(p, max(self.prompt_tokens_estimate, self._longest)) for p in prompts]
+        pt, sizes = np.asarray(prompt_tokens, dtype=np.int64), self._sizes(n)
+        m = len(sizes)
+        paid = self._journaled_prefix(lambda i: self._sample_body(prompts, temperature, seeds, sizes, i), len(prompts) * m)
+        full, rem = divmod(paid, m)  # the paid prefix: ``full`` whole prompts and ``rem`` requests of the next
+        requests = len(prompts) * m - paid
+        tokens = int(pt[full:].sum()) * m + (len(prompts) - full) * n
+        if rem:
+            tokens -= int(pt[full]) * rem + sum(sizes[:rem])
         over = self._over(requests, tokens)
         return None if over is None else (f"{requests:,} requests of ~{tokens:.3g} billed tokens would pass the "
                                           f"{over[0]} cap of {over[1]:,.6g} (spent so far: {self._spend()})")
+
+    def _journaled_prefix(self, body: Callable[[int], dict], total: int) -> int:
+        """How many of ``total`` requests (``body(i)``, in sending order) the journal already answers: a prefix, as they
+        are sent in order (a binary search; a request in flight at a kill -9 and lost leaves a gap, so a few paid
+        ones may be counted as unpaid: the check then errs toward the cap)."""
+        def paid(i: int) -> bool:
+            return self.journal.get(request_key(body(i))) is not None
+
+        if total == 0 or not paid(0):
+            return 0
+        lo, hi = 1, total  # paid(lo - 1) holds; the first unpaid index lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if paid(mid) else (lo, mid)
+        return lo
+
+    def _sizes(self, n: int) -> list[int]:
+        """Samples per request for ``n`` samples of one prompt: ``n_per_request`` each where the server honours n."""
+        per = self.n_per_request
+        return [min(per, n - j * per) for j in range(math.ceil(n / per))]
+
+    def _sample_body(self, prompts: Sequence[str], temperature: float, seeds: Sequence, sizes: list[int], i: int) -> dict:
+        """Request i of ``sample``: request j of prompt q, with i = q len(sizes) + j."""
+        q, j = divmod(i, len(sizes))
+        return self._body(prompts[q], temperature, sizes[j], request_seed(seeds[q], j), logprobs=True)
 
     def _reserve(self, tokens: int) -> None:
         over = self._over(1, tokens)

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
@@ -114,7 +116,7 @@ class Round:
         found = f"d_hat_raw = {self.d_hat_raw} (check at N = {self.check_N:,}: {self.check_d_hat_raw})" if self.saturated \
             else f"not saturated, d >= {self.lower_bound}"
         return (f"round {self.round}: N = {self.N:,}, common set {self.D_prime} x {self.C}, {found}; "
-                f"spent {self.tokens:.3g} tokens, {self.calls:.3g} calls")
+                f"spent {self.tokens:.3g} tokens (§5), {self.calls:.3g} calls")
 
 
 def after(done: Round, stable: bool, N_max: int, growth: float) -> int | None:
@@ -157,11 +159,14 @@ def sample_adaptive(
     checkpoint_root: Path,
     identity: dict,
     progress: bool = True,
-    report: Callable[[str], None] = print,
+    report: Callable[[str], None] | None = None,
 ) -> tuple[Path, list[Round], str]:
     """Sample in rounds until the stop rule holds, N_max is reached or the oracle refuses the next round (a budget
     cap: ``NVError`` from the oracle). Writes the merged Y_hat to ``out_dir`` (``load_samples`` reads it); returns
-    it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message)."""
+    it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message). ``report`` gets each round's
+    line and the stop's (default: stderr, beside the progress bars; nothing without ``progress``)."""
+    if report is None:
+        report = (lambda line: tqdm.write(line, file=sys.stderr)) if progress else (lambda line: None)
     N_max, growth = sampling["N_max"], sampling["growth"]
     N, previous = sampling["N0"], 0
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
@@ -176,7 +181,8 @@ def sample_adaptive(
                 try:
                     collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
                             checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
-                            progress=progress, prompt_tokens=None if merged is None else merged.prompt_tokens)
+                            progress=progress, prompt_tokens=None if merged is None else merged.prompt_tokens,
+                            desc=f"round {r}: N {previous:,} -> {N:,}")
                 except BudgetExhausted as exc:
                     if merged is None:
                         raise
@@ -192,6 +198,11 @@ def sample_adaptive(
             nxt = after(done, stable, N_max, growth)
             if nxt is None:
                 why = "stable" if stable else "N_max"
+                if not stable:  # what going on would cost, at the prompts' measured tokens
+                    more = next_budget(N, done.saturated, sys.maxsize, growth)
+                    tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * (more - N)
+                    report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
+                           f"would cost {tokens:.3g} more tokens (§5): raise sampling.N_max and rerun the same command")
                 break
             previous, N = N, nxt
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})

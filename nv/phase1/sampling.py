@@ -166,14 +166,15 @@ def collect(
     chunk: int = 100,
     progress: bool = True,
     prompt_tokens: np.ndarray | None = None,
+    desc: str | None = None,
 ) -> Path:
     """Sample every prompt (Alg. 1 lines 1-4) into shards under ``out_dir``; return ``out_dir``.
 
     ``identity`` names the target (model spec and oracle switches): with the prompts, N, tau and
     seed it keys the checkpoint folder under ``checkpoint_root``, so stale work is never reused.
-    ``prompt_tokens`` (each prompt's tokens per call, where an earlier sample measured them): the
-    oracle is first asked whether the unfinished shards' calls would pass a budget cap
-    (``Oracle.refuses``), and ``BudgetExhausted`` says so before anything is sent.
+    The oracle is first asked whether the unfinished shards' calls would pass a budget cap (``Oracle.refuses``,
+    with ``prompt_tokens``, each prompt's tokens per call, where an earlier sample measured them), and
+    ``BudgetExhausted`` says so before anything is sent. ``desc``: the progress bar's label.
     """
     meta = {"N": N, "temperature": temperature, "seed": seed, "chunk": chunk, "D": len(prompts), "vocab_size": vocab_size,
             "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), **identity}
@@ -183,12 +184,15 @@ def collect(
     starts = range(0, len(prompts), chunk)
     todo = [s for s in starts
             if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size, values=True) is None]
-    if prompt_tokens is not None and todo:
-        refusal = oracle.refuses(np.concatenate([prompt_tokens[s : s + chunk] for s in todo]), N)
+    if todo:
+        rows = [q for s in todo for q in range(s, min(s + chunk, len(prompts)))]
+        refusal = oracle.refuses([prompts[q] for q in rows], N, temperature, [(seed, q) for q in rows],
+                                 None if prompt_tokens is None else prompt_tokens[rows])
         if refusal is not None:
-            raise BudgetExhausted(refusal)
+            raise BudgetExhausted(f"budget reached before sampling {N:,} calls per prompt: {refusal}; nothing of it was "
+                                  "sent: raise the budget and rerun the same command to resume")
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
-               desc=f"sampling N={N:g}", unit="prompt", disable=not progress)
+               desc=desc or f"sampling N={N:,}", unit="prompt", disable=not progress)
     for s in todo:
         batch = prompts[s : s + chunk]
         samples = oracle.sample(batch, N, temperature, seeds=[(seed, q) for q in range(s, s + len(batch))])
