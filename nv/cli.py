@@ -141,13 +141,14 @@ def attack_live(args: argparse.Namespace) -> int:
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
     plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None, (args.base_url, args.model))
+    journal = Path(args.journal) if args.journal else Path(args.out) / "journal.jsonl"
     if args.dry_run:
+        plan["paid"] = live.paid_so_far(journal, args.base_url, args.model, params, budget)
         print(live.format_plan(plan, params, args.model, args.base_url, budget, timing))
         live.check_budget(plan, budget)
         print(json.dumps(plan))
         return 0
     out = _writable(Path(args.out))
-    journal = Path(args.journal) if args.journal else out / "journal.jsonl"
     record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
     print(json.dumps(summary(record)))
     return 0

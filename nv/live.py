@@ -124,6 +124,19 @@ def pilot_source(model: object, live: dict, target: tuple[str, str] | None) -> d
     return {"source": source, "elsewhere": f"another {' and '.join(differs)}" if differs else None}
 
 
+def paid_so_far(journal: Path, base_url: str, model: str, params: dict, budget: Budget) -> dict | None:
+    """What the journal a run would resume from has paid already (None: no journal yet); a journal of another attack
+    is refused here, as the run would refuse it."""
+    if not journal.is_file():
+        return None
+    j = Journal(journal, binding(split_credentials(base_url)[0], model, params), UNBOUND)
+    try:
+        tokens = j.prompt_tokens + j.output_tokens
+        return {"journal": str(journal), "requests": j.requests, "tokens_billed": tokens, "money": budget.money_of(tokens)}
+    finally:
+        j.close()
+
+
 def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget, timing: dict | None = None) -> str:
     """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with ``timing``
     (``attack``'s: the calibration and the d_hat given, if any)."""
@@ -146,6 +159,10 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
+        + ("" if not p.get("paid") else
+           f"\n  already paid      {p['paid']['requests']:,} requests, {p['paid']['tokens_billed']:,} billed tokens"
+           + ("" if p["paid"]["money"] is None else f", money {p['paid']['money']:.6g}")
+           + f" in {p['paid']['journal']}: a run reuses them and pays only the rest (the totals above include them)")
         + ("" if calibration is None else
            f"\n  phase 2 (timing)  after phase 1: {calibration['warmups']} warm-ups, the ell = 1 baseline and "
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "

@@ -312,6 +312,15 @@ def test_dry_run_plans_the_calls_the_attack_made_and_sends_nothing(baseline, ser
     plan = json.loads(proc.stdout.strip().splitlines()[-1])
     assert plan["requests"] == REQUESTS and plan["sampling_calls"] == 32 and proxy.posts == 0
     assert "tokens (§5)" in proc.stdout and not (tmp_path / "o").exists()
+    # over the baseline's output folder: its journal's paid replies are shown, and one of another endpoint is refused
+    endpoint = baseline["report"]["endpoint"]
+    again = run_attack(attack_args(endpoint, server.model_name, baseline["params"], baseline["out"], "--dry-run"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    paid = json.loads(again.stdout.strip().splitlines()[-1])["paid"]
+    assert paid["requests"] == REQUESTS == baseline["report"]["cost"]["provider"]["calls"]
+    assert f"already paid      {REQUESTS:,} requests" in again.stdout
+    other = run_attack(attack_args(server.base_url, server.model_name, baseline["params"], baseline["out"], "--dry-run"))
+    assert other.returncode == 2 and "belongs to another attack (endpoint was" in other.stderr
 
 
 def test_faults_change_nothing_in_the_result(baseline, server, root, tmp_path):
