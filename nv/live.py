@@ -54,7 +54,8 @@ def _cost(params: dict, budget: Budget, N: int) -> dict:
             "minutes_at_rate_limits": max(paced) if any(paced) else None}
 
 
-def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[str, str] | None = None) -> dict:
+def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[str, str] | None = None,
+         timing: dict | None = None) -> dict:
     """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
 
     Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
@@ -68,6 +69,8 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
     samples folder of an earlier, small run on the same endpoint): the N, and its cost, at which the planner
     (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens; ``target`` (endpoint, model)
     names the attack planned, and a pilot drawn elsewhere (another endpoint or model, a simulated model) is flagged.
+    With ``timing`` (``attack``'s), phase 2's requests and tokens (``nv.phase2.live.timing_cost``), which the budget
+    check adds to phase 1's.
     """
     search, sampling = params["search"], params["sampling"]
     drawn = None
@@ -99,6 +102,11 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
         "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
         "journal_bytes": {k: v * total["requests"] for k, v in JOURNAL_BYTES.items()},
     }
+    if timing is not None:
+        from nv.phase2.live import timing_cost
+
+        out["phase2"] = timing_cost(timing["calibration"], timing["d_hat"], timing["p_max"])
+        out["phase2"]["money"] = budget.money_of(out["phase2"]["tokens_billed"])
     if drawn is not None:
         from nv.phase1.planner import fit
 
@@ -166,7 +174,11 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         + ("" if calibration is None else
            f"\n  phase 2 (timing)  after phase 1: {calibration['warmups']} warm-ups, the ell = 1 baseline and "
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
-           f"placed from {placed}), one output token each; not in the totals above")
+           f"placed from {placed}), one output token each: {p['phase2']['requests']:,} requests, "
+           f"{'at most ' if p['phase2']['bound'] else ''}{p['phase2']['tokens_billed']:,} billed tokens"
+           + ("" if p["phase2"]["money"] is None else f", money {p['phase2']['money']:.6g}")
+           + " (not in the totals above; the budget check adds them to phase 1's"
+           + (", its first round's" if p["adaptive"] else "") + ")")
     )
 
 
@@ -231,14 +243,17 @@ def _over(cost: dict, budget: Budget) -> tuple[str, float, float] | None:
 
 def check_budget(p: dict, budget: Budget) -> None:
     """Refuse, before anything is spent, a budget below the planned requests, tokens or money (adaptive: below the
-    first round; the run stops after the last round the budget affords)."""
-    if p["adaptive"]:
-        p = {**p, **p["rounds"][0]}
-    over = _over(p, budget)
+    first round; the run stops after the last round the budget affords), phase 2's added where it is planned."""
+    phase1 = p["rounds"][0] if p["adaptive"] else p
+    phase2 = p.get("phase2") or {"requests": 0, "tokens_billed": 0, "money": None}
+    need = {k: phase1[k] + phase2[k] for k in ("requests", "tokens_billed")}
+    need["money"] = None if phase1["money"] is None else phase1["money"] + (phase2["money"] or 0)
+    over = _over(need, budget)
     if over:
-        what, cap, need = over
-        raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {p['N']:,}) needs {need:,.6g} "
-                      f"{what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
+        what, cap, amount = over
+        with2 = f" with phase 2's {phase2['requests']:,} timed calls" if p.get("phase2") else ""
+        raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {phase1['N']:,}){with2} needs "
+                      f"{amount:,.6g} {what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
 
 
 def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Path, budget: Budget,
@@ -252,7 +267,7 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
     oracle = HTTPOracle.from_params(base_url, model, params["live"], journal, budget, progress)
     try:
         oracle.preflight()
-        check_budget(plan(params, budget), budget)
+        check_budget(plan(params, budget, timing=timing), budget)
         oracle.probe()
         params = {**params, "model": {"endpoint": oracle.base_url, "model": model,
                                       **{k: params["live"][k] for k in REQUEST_KEYS}}}

@@ -770,16 +770,24 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert again["timing"]["L_hat_eq10"] == pytest.approx(t["L_hat_eq10"] / 2, rel=1e-12)
     timed = 2 + 4 + 6 * 4  # warm-ups, the ell = 1 baseline's 4 trials, 6 lengths x 4 trials
     assert again["cost"]["paper"]["calls"] == report["cost"]["paper"]["calls"] == 4 * 8 + 4 + timed
-    # a phase 2 the calls cap stops (phase 1's 38 requests fit 45, its 30 timed calls do not) leaves phase 1's report
-    # whole, marked (it was overwritten by a phase-1-only one, without its cost and endpoint)
-    capped = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", "--timing-calibration",
-                                    str(calibration_file), "--timing-d-hat", "576", "--context-length", "512",
+    # phase 2 is in the plan and its budget check: phase 1's 38 requests fit a calls cap of 45, its 30 timed calls
+    # do not, and nothing is sent (the cap stopped phase 2 half-way, after phase 1 had been paid for)
+    timed_args = ["--timing-calibration", str(calibration_file), "--timing-d-hat", "576", "--context-length", "512"]
+    dry = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", *timed_args, "--dry-run"))
+    assert json.loads(dry.stdout.strip().splitlines()[-1])["phase2"]["requests"] == timed and "30 requests" in dry.stdout
+    capped = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", *timed_args,
                                     "--budget-calls", "45"))
-    assert capped.returncode == 2 and capped.stderr.startswith("error: budget reached"), capped.stderr[-2000:]
-    partial = json.loads((tmp_path / "out4" / "report.json").read_text())
+    assert capped.returncode == 2 and "with phase 2's 30 timed calls needs 68 calls > --budget-calls 45" in capped.stderr
+    assert not (tmp_path / "out4").exists() or not (tmp_path / "out4" / "report.json").exists()
+    # a phase 2 that fails (the server refuses a timed call) leaves phase 1's report whole, marked (it was overwritten
+    # by a phase-1-only one, without its cost and endpoint)
+    with FaultProxy(server.base_url, {40: "400"}) as proxy:  # past phase 1's 38 requests
+        failed = run_attack(attack_args(proxy.url, server.model_name, params, tmp_path / "out5", *timed_args))
+    assert failed.returncode == 2 and "refused the request: HTTP 400" in failed.stderr, failed.stderr[-2000:]
+    partial = json.loads((tmp_path / "out5" / "report.json").read_text())
     assert partial["timing"]["note"].startswith("phase 2 did not finish") and partial["cost"]["provider"]["calls"] == 38
-    assert {k: v for k, v in partial.items() if k not in ("timing", "cost", "http")} == {
-        k: v for k, v in report.items() if k not in ("timing", "cost", "http")}
+    assert {k: v for k, v in partial.items() if k not in ("timing", "cost", "http", "endpoint")} == {
+        k: v for k, v in report.items() if k not in ("timing", "cost", "http", "endpoint")}
     # without a d_hat (tiny phase 1: not saturated) phase 2 says why instead of timing anything
     no_d = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out2", "--timing-calibration",
                                   str(calibration_file)))
