@@ -3,7 +3,7 @@
 The order of work makes bad input cost nothing: params and output folder, the journal's binding,
 the free ``GET /models`` (reachable, JSON, model served), the planned calls and tokens against the
 budget, then a paid probe of two requests (log-probs present, ``n`` honoured, raw or processed), then
-the attack itself through the same ``nv.phase1.pipeline.run`` as the simulator (the attack code never knows
+the attack itself through the same ``nv.phase1.pipeline`` functions as the simulator (the attack code never knows
 the backend)."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns"
 # asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
 # every paid reply, and the journal's cost stays everything paid through it
 UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
-# a paid reply in the journal: bytes of its line on disk, and of its record held in memory while the attack runs
-# (measured on 2·10^5 one-sample replies; loading a journal peaks at ~870 bytes per reply)
-JOURNAL_BYTES = {"disk": 126, "memory": 650}
+# a paid reply in the journal: bytes of its line on disk, and of memory at the peak, a resumed run loading the journal
+# (measured on 2·10^5 one-sample replies: 650 bytes each held while it runs, 870 while a resume loads them)
+JOURNAL_BYTES = {"disk": 126, "memory": 870}
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:
@@ -118,12 +118,13 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
 
 
 def pilot_source(model: object, live: dict, target: tuple[str, str] | None) -> dict:
-    """Where a pilot was drawn (its manifest's ``model``: an endpoint's identity or a simulated model's params) and, as
-    ``elsewhere``, how that differs from the ``target`` (endpoint, model) and request shape planned (None: the same)."""
-    model = model if isinstance(model, dict) else {}
+    """Where a pilot was drawn (its manifest's ``model``: an endpoint's identity or a simulated model's params; an
+    adaptive run's merged draws record neither) and, as ``elsewhere``, why it may not be the ``target`` (endpoint,
+    model) and request shape planned (None: it is)."""
+    if not isinstance(model, dict) or not ("endpoint" in model or "spec" in model):
+        return {"source": "an unrecorded target", "elsewhere": None if target is None else "an unrecorded target"}
     if "endpoint" not in model:
-        return {"source": f"simulated model {model.get('spec', '?')!r}",
-                "elsewhere": None if target is None else "a simulated model"}
+        return {"source": f"simulated model {model['spec']!r}", "elsewhere": None if target is None else "a simulated model"}
     source = f"{model['endpoint']}, model {model.get('model')!r}"
     differs = [what for what, a, b in (("endpoint", model["endpoint"],
                                         None if target is None else split_credentials(target[0])[0].rstrip("/")),
@@ -137,12 +138,9 @@ def paid_so_far(journal: Path, base_url: str, model: str, params: dict, budget: 
     is refused here, as the run would refuse it."""
     if not journal.is_file():
         return None
-    j = Journal(journal, binding(split_credentials(base_url)[0], model, params), UNBOUND)
-    try:
-        tokens = j.prompt_tokens + j.output_tokens
-        return {"journal": str(journal), "requests": j.requests, "tokens_billed": tokens, "money": budget.money_of(tokens)}
-    finally:
-        j.close()
+    j = Journal(journal, binding(split_credentials(base_url)[0], model, params), UNBOUND, readonly=True)
+    tokens = j.prompt_tokens + j.output_tokens
+    return {"journal": str(journal), "requests": j.requests, "tokens_billed": tokens, "money": budget.money_of(tokens)}
 
 
 def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget, timing: dict | None = None) -> str:
@@ -152,7 +150,7 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
     placed = "phase 1's d_hat" if timing is None or not timing["d_hat"] else f"d_hat = {timing['d_hat']}"
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
-    adaptive = _format_rounds(p["rounds"], budget) if p["adaptive"] else ""
+    adaptive = _format_rounds(p["rounds"], budget, p.get("phase2")) if p["adaptive"] else ""
     return (
         f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent):\n"
         f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
@@ -182,15 +180,16 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
     )
 
 
-def _format_rounds(rounds: list[dict], budget: Budget) -> str:
-    """The adaptive loop's rounds with their cumulative cost, and the first round a budget cap stops the run before."""
+def _format_rounds(rounds: list[dict], budget: Budget, phase2: dict | None) -> str:
+    """The adaptive loop's rounds with their cumulative cost, and the first round a budget cap stops the run before
+    (with ``phase2``'s share held back, as the attack holds it)."""
     lines = ["\n  adaptive (N: auto) rounds stop when the estimate is stable (once saturated, the next round is sqrt(2) "
              "larger); cumulative cost by round while unsaturated:"]
     stopped = False
     for r in rounds:
         line = (f"                    N = {r['N']:>11,}: {r['requests']:.3g} requests, {r['tokens_paper']:.3g} tokens (§5), "
                 f"{r['tokens_billed']:.3g} billed" + ("" if r["money"] is None else f", money {r['money']:.4g}"))
-        over = _over(r, budget)
+        over = _over(_plus(r, phase2), budget)
         if over and not stopped:
             line += f"  <- past --budget-{over[0]} {over[1]:,.6g}: the run stops before this round"
             stopped = True
@@ -222,14 +221,23 @@ def _format_pilot(p: dict, money_given: bool) -> str:
              f"{pilot['source']}): the N at which all D = {p['D']:,} prompts are expected to share |C| tokens (Theorem 1's "
              "mean, fitted tail)"]
     if pilot["elsewhere"]:
-        lines.append(f"                    NOTE: the pilot was drawn from {pilot['elsewhere']}, not from this plan's target: "
-                     "its prompt tokens per call and its tail are that target's, not necessarily this one's")
+        lines.append(f"                    NOTE: the pilot was drawn from {pilot['elsewhere']}, which may not be this plan's "
+                     "target: its prompt tokens per call and its tail are that target's")
     for size, c in pilot["common_set"].items():
         cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:.3g} tokens (§5), "
                                                     f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else ""))
         lines.append(f"                    |C| = {size:,}: {cost}")
     lines.append("                    (the robust estimator needs |C| > d, and more on a noisy spectrum: README, planner)")
     return "\n".join(lines)
+
+
+def _plus(cost: dict, phase2: dict | None) -> dict:
+    """Phase 1's ``cost`` with phase 2's added (requests, billed tokens, money), where phase 2 is planned."""
+    if phase2 is None:
+        return cost
+    money = None if cost["money"] is None else cost["money"] + phase2["money"]
+    return {"requests": cost["requests"] + phase2["requests"],
+            "tokens_billed": cost["tokens_billed"] + phase2["tokens_billed"], "money": money}
 
 
 def _over(cost: dict, budget: Budget) -> tuple[str, float, float] | None:
@@ -245,13 +253,10 @@ def check_budget(p: dict, budget: Budget) -> None:
     """Refuse, before anything is spent, a budget below the planned requests, tokens or money (adaptive: below the
     first round; the run stops after the last round the budget affords), phase 2's added where it is planned."""
     phase1 = p["rounds"][0] if p["adaptive"] else p
-    phase2 = p.get("phase2") or {"requests": 0, "tokens_billed": 0, "money": None}
-    need = {k: phase1[k] + phase2[k] for k in ("requests", "tokens_billed")}
-    need["money"] = None if phase1["money"] is None else phase1["money"] + (phase2["money"] or 0)
-    over = _over(need, budget)
+    over = _over(_plus(phase1, p.get("phase2")), budget)
     if over:
         what, cap, amount = over
-        with2 = f" with phase 2's {phase2['requests']:,} timed calls" if p.get("phase2") else ""
+        with2 = f" with phase 2's {p['phase2']['requests']:,} timed calls" if p.get("phase2") else ""
         raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {phase1['N']:,}){with2} needs "
                       f"{amount:,.6g} {what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
 
@@ -260,20 +265,22 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
            progress: bool = True, timing: dict | None = None) -> dict:
     """Phase 1 against the endpoint, then phase 2 when ``timing`` = {calibration, k, vocab_size,
     p_max, d_hat (None: phase 1's)} is given; writes report.json and spectrum.png under ``out``."""
-    from nv.phase1.pipeline import run
-    from nv.phase1.sampling import load_samples
+    from nv.phase1.pipeline import estimate_and_report, search_and_sample
 
     journal = Journal(journal_path, binding(split_credentials(base_url)[0], model, params), UNBOUND)
     oracle = HTTPOracle.from_params(base_url, model, params["live"], journal, budget, progress)
     try:
         oracle.preflight()
-        check_budget(plan(params, budget, timing=timing), budget)
+        planned = plan(params, budget, timing=timing)
+        check_budget(planned, budget)
         oracle.probe()
         params = {**params, "model": {"endpoint": oracle.base_url, "model": model,
                                       **{k: params["live"][k] for k in REQUEST_KEYS}}}
-        record = run(oracle, params, out, model, d_true=None, progress=progress)
+        phase2 = planned.get("phase2") or {"requests": 0, "tokens_billed": 0}
+        with oracle.holding(phase2["requests"], phase2["tokens_billed"]):  # phase 2's share, kept from phase 1's rounds
+            samples, search_cost, adaptive = search_and_sample(oracle, params, out, out / ".checkpoints", progress)
+        record, sampled = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out)
         prompts = json.loads((out / "prompts.json").read_text())
-        sampled = load_samples(out / "samples")
         record.update(live_fields(oracle, record, prompts, sampled))
         if timing is not None:
             from nv.phase2.live import timing_phase

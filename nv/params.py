@@ -46,8 +46,8 @@ def _opt(types, ok: Callable[[object], bool], rule: str) -> Check:
 
 
 # what every request of the attack sets itself (nv.oracle.http's body): live.extra_body may add fields, not change these
-REQUEST_FIELDS = {"model", "max_tokens", "temperature", "messages", "prompt", "logprobs", "top_logprobs", "n", "seed",
-                  "stream"}
+REQUEST_FIELDS = {"model", "max_tokens", "max_completion_tokens", "min_tokens", "temperature", "messages", "prompt",
+                  "logprobs", "top_logprobs", "n", "best_of", "use_beam_search", "echo", "logit_bias", "seed", "stream"}
 
 
 def _plain_json(value) -> bool:

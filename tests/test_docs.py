@@ -34,6 +34,7 @@ def test_every_function_of_the_equation_index_exists():
                 module_name, _, attr = name.rpartition(".")
                 module = importlib.import_module(module_name)
             else:  # a name after a dotted one lives in the same module
+                assert module is not None, f"{paper}: `{name}` comes before any `nv.module.function`: name its module"
                 attr = name
             assert callable(getattr(module, attr, None)), f"{paper}: the README names {module.__name__}.{attr}: no such function"
             checked += 1

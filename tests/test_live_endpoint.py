@@ -5,6 +5,7 @@ kill -9 change nothing in the result, nothing completed is paid twice, bad input
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import yaml
 from faultproxy import FaultProxy
 from nv.cli import main
 from nv.errors import NVError
+from nv.oracle import journal as journal_module
 from nv.oracle.journal import Journal, request_key
 from nv.live import binding
 from nv.models.llama_server import LlamaServer, free_port
@@ -373,8 +375,10 @@ def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root
     """Ctrl-C (or a SIGTERM, a job scheduler's stop) with four requests in flight: they are paid already, so the run
     sends nothing new, waits for them and journals them before it exits (they used to be dropped: billed, then sent
     again by the resume, and missing from its cost). Every request the server answered is in the journal, and the
-    resume sends only the others, once each."""
-    params = write_params(root, tmp_path, concurrency=4)
+    resume sends only the others, once each. Paced at 5 requests/s (live.rpm), so the run outlasts the poll for its
+    12th reply on a loaded machine (unpaced it finished first once, in CI), and the interrupt also meets requests
+    waiting for their slot: they are not sent."""
+    params = write_params(root, tmp_path, concurrency=4, rpm=300)
     out = tmp_path / "out"
     journal = out / "journal.jsonl"
     with FaultProxy(server.base_url) as proxy:
@@ -383,6 +387,7 @@ def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root
         deadline = time.monotonic() + 300
         while (not journal.exists() or len(journal_keys(journal)) < 12) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(sig)
         stderr = proc.communicate(timeout=120)[1]
         assert proc.returncode == status, stderr[-2000:]
@@ -438,6 +443,9 @@ def test_a_pilot_drawn_elsewhere_is_flagged():
     assert pilot_source(drawn, {"chat": False}, ("http://127.0.0.1:8080/v1", "m"))["elsewhere"] == "another chat mode (live.chat)"
     assert pilot_source({"spec": "embedded"}, live, ("http://127.0.0.1:8080/v1", "m")) == {
         "source": "simulated model 'embedded'", "elsewhere": "a simulated model"}
+    # an adaptive run's merged draws do not name their target: said, not taken for a simulated model
+    assert pilot_source(None, live, ("http://127.0.0.1:8080/v1", "m")) == {
+        "source": "an unrecorded target", "elsewhere": "an unrecorded target"}
 
 
 def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path, monkeypatch):
@@ -613,8 +621,9 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
 
 def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog):
     """Linux returns at most 2 GiB per read: a journal read in one ``os.pread`` came back short past that size, its
-    rest looked like a torn last line and was truncated away, paid replies with it. Here every positional read is
-    short (as past 2 GiB); the journal loads every reply and its file keeps every byte."""
+    rest looked like a torn last line and was truncated away, paid replies with it. Here every read is short (as past
+    2 GiB), positional or through the file the reader opens; the journal loads every reply and its file keeps every
+    byte."""
     path = tmp_path / "j.jsonl"
     j = Journal(path, {"endpoint": "e"})
     for k in range(200):
@@ -623,11 +632,50 @@ def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog)
     whole = path.read_bytes()
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: real(fd, min(n, 1000), offset))
+
+    class ShortReads(io.RawIOBase):
+        def __init__(self, path):
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            data = os.read(self.fd, min(len(buffer), 1000))
+            buffer[: len(data)] = data
+            return len(data)
+
+        def close(self):
+            if not self.closed:
+                os.close(self.fd)
+            super().close()
+
+    monkeypatch.setattr(journal_module, "open", lambda p, mode: io.BufferedReader(ShortReads(p)), raising=False)
     with caplog.at_level("WARNING"):
         j = Journal(path, {"endpoint": "e"})
     assert len(j.responses) == 200 and "torn" not in caplog.text
     j.close()
     assert path.read_bytes() == whole
+
+
+def test_a_read_only_journal_reads_beside_the_attack_and_changes_nothing(tmp_path):
+    """The dry run's look at what is paid: it reads a journal another process holds locked and is appending to,
+    without its lock, and neither drops a torn last line nor rewrites a header-only journal of another binding."""
+    path = tmp_path / "j.jsonl"
+    running = Journal(path, {"endpoint": "e"})  # the attack, holding the lock
+    running.put("k1", {"c": [["s:a", -1.0, []]], "p": 5, "o": 1})
+    running.sync()
+    os.write(running._fd, b'{"r":"k2","d":{"c":[')  # a reply being written at this moment
+    before = path.read_bytes()
+    look = Journal(path, {"endpoint": "e"}, readonly=True)
+    assert set(look.responses) == {"k1"} and look.prompt_tokens == 5 and path.read_bytes() == before
+    with pytest.raises(NVError, match="belongs to another attack"):
+        Journal(path, {"endpoint": "f"}, readonly=True)
+    running.close()
+    header_only = tmp_path / "h.jsonl"
+    Journal(header_only, {"endpoint": "typo"}).close()
+    kept = header_only.read_bytes()
+    assert Journal(header_only, {"endpoint": "e"}, readonly=True).requests == 0 and header_only.read_bytes() == kept
 
 
 def test_journal_refuses_a_foreign_file_untouched_and_reuses_one_where_nothing_was_paid(tmp_path, caplog):
@@ -779,6 +827,17 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
                                     "--budget-calls", "45"))
     assert capped.returncode == 2 and "with phase 2's 30 timed calls needs 68 calls > --budget-calls 45" in capped.stderr
     assert not (tmp_path / "out4").exists() or not (tmp_path / "out4" / "report.json").exists()
+    # adaptive rounds under a cap hold phase 2's share back: 70 calls would pay round 2 (phase 1 to N = 16: 70
+    # requests), leaving nothing for phase 2; with its 30 held, the loop stops after round 1 (38) and phase 2 runs
+    adaptive = yaml.safe_load(params.read_text())
+    adaptive["sampling"].update(N="auto", N0=4, N_max=16, growth=2.0)
+    (tmp_path / "adaptive.yaml").write_text(yaml.safe_dump(adaptive, allow_unicode=True, sort_keys=False))
+    held = run_attack(attack_args(server.base_url, server.model_name, tmp_path / "adaptive.yaml", tmp_path / "out6",
+                                  *timed_args, "--budget-calls", "70"))
+    assert held.returncode == 0, held.stderr[-2000:]
+    summary = json.loads(held.stdout)
+    assert summary["adaptive_stop"].startswith("round 2 (N = 16, ") and summary["cost"]["provider"]["calls"] == 38 + timed
+    assert summary["timing"]["L_hat"] is not None  # phase 2 ran to its end
     # a phase 2 that fails (the server refuses a timed call) leaves phase 1's report whole, marked (it was overwritten
     # by a phase-1-only one, without its cost and endpoint)
     with FaultProxy(server.base_url, {40: "400"}) as proxy:  # past phase 1's 38 requests

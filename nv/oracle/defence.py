@@ -283,7 +283,7 @@ class DefendedOracle(Oracle):
         return self.inner.repeats()
 
     def refuses(self, prompts, n: int, temperature: float, seeds, prompt_tokens=None) -> str | None:
-        return self.inner.refuses(prompts, n, temperature, seeds, prompt_tokens)
+        return self.inner.refuses(prompts, n, self.served_temperature(temperature), seeds, prompt_tokens)
 
     def time_request(self, prompt: str) -> TimedCall:
         d = self.defence

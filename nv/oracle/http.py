@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -442,7 +443,7 @@ class HTTPOracle(Oracle):
             print("interrupted: journaling the replies in flight (Ctrl-C again to abandon them)", file=sys.stderr)
             try:
                 future.result()
-            except Exception:
+            except (_Stopped, NVError):  # a request that fails after the interrupt: moot, the run stops anyway
                 pass
             raise
         finally:
@@ -480,11 +481,12 @@ class HTTPOracle(Oracle):
 
     async def _call(self, body: dict, key_extra: dict | None) -> dict:
         key = request_key(body if key_extra is None else {"body": body, **key_extra})
+        prompt = body.get("prompt") or body["messages"][0]["content"]
         record = self.journal.get(key)
-        if record is not None:
+        if record is not None:  # served free; its prompt's tokens are known as if it had been paid now (a resumed
+            self._measured(prompt, record)  # run's budget checks use them)
             self.stats["replayed"] += 1
             return record
-        prompt = body.get("prompt") or body["messages"][0]["content"]
         # prompt tokens are known once the prompt has been answered; before that, twice the longest seen
         estimate = self._prompt_len.get(prompt, 2 * max(self.prompt_tokens_estimate, self._longest)) + body.get("n", 1)
         self._reserve(estimate)
@@ -497,11 +499,14 @@ class HTTPOracle(Oracle):
         finally:
             self._reserved_calls -= 1
             self._reserved_tokens -= estimate
-        self._prompt_len[prompt] = record["p"]
-        self._longest = max(self._longest, record["p"])
+        self._measured(prompt, record)
         self.journal.put(key, record)
         self.stats["sent"] += 1
         return record
+
+    def _measured(self, prompt: str, record: dict) -> None:
+        self._prompt_len[prompt] = record["p"]
+        self._longest = max(self._longest, record["p"])
 
     def _over(self, calls: int, tokens: int) -> tuple[str, float] | None:
         """The budget cap (what, amount) that ``calls`` more requests of ``tokens`` more billed tokens would pass,
@@ -518,22 +523,35 @@ class HTTPOracle(Oracle):
         """The sample's requests not yet in the journal (a resumed run's are served free) against the caps."""
         if prompt_tokens is None:  # measured by this run's replies (the search's, for the first round), else estimated
             prompt_tokens = [self._prompt_len.get(p, max(self.prompt_tokens_estimate, self._longest)) for p in prompts]
-        pt, sizes = np.asarray(prompt_tokens, dtype=np.int64), self._sizes(n)
-        m = len(sizes)
-        paid = self._journaled_prefix(lambda i: self._sample_body(prompts, temperature, seeds, sizes, i), len(prompts) * m)
-        full, rem = divmod(paid, m)  # the paid prefix: ``full`` whole prompts and ``rem`` requests of the next
-        requests = len(prompts) * m - paid
-        tokens = int(pt[full:].sum()) * m + (len(prompts) - full) * n
-        if rem:
-            tokens -= int(pt[full]) * rem + sum(sizes[:rem])
+        sizes = self._sizes(n)
+        requests = tokens = 0
+        for q, ell in enumerate(prompt_tokens):
+            paid = self._journaled_prefix(lambda j: self._sample_body(prompts, temperature, seeds, sizes, q * len(sizes) + j),
+                                          len(sizes))
+            requests += len(sizes) - paid
+            tokens += int(ell) * (len(sizes) - paid) + sum(sizes[paid:])
         over = self._over(requests, tokens)
         return None if over is None else (f"{requests:,} requests of ~{tokens:.3g} billed tokens would pass the "
                                           f"{over[0]} cap of {over[1]:,.6g} (spent so far: {self._spend()})")
 
+    @contextmanager
+    def holding(self, calls: int, tokens: int) -> Iterator[None]:
+        """Keep ``calls`` requests and ``tokens`` billed tokens of the budget for later work (phase 2) while the work of
+        this span (phase 1) spends: the caps and ``refuses`` count them as reserved. Entered and left with nothing in
+        flight."""
+        self._reserved_calls += calls
+        self._reserved_tokens += tokens
+        try:
+            yield
+        finally:
+            self._reserved_calls -= calls
+            self._reserved_tokens -= tokens
+
     def _journaled_prefix(self, body: Callable[[int], dict], total: int) -> int:
-        """How many of ``total`` requests (``body(i)``, in sending order) the journal already answers: a prefix, as they
-        are sent in order (a binary search; a request in flight at a kill -9 and lost leaves a gap, so a few paid
-        ones may be counted as unpaid: the check then errs toward the cap)."""
+        """How many of one prompt's ``total`` requests (``body(j)``, in sending order) the journal already answers: a
+        prefix (requests go out in order, and a larger N extends a prompt's requests past the ones paid), found by
+        binary search. A request lost in flight at a kill -9 leaves a gap: the count is then off by the few requests
+        around it, either way; the in-flight cap still holds the budget."""
         def paid(i: int) -> bool:
             return self.journal.get(request_key(body(i))) is not None
 
@@ -574,7 +592,7 @@ class HTTPOracle(Oracle):
         self._next_slot = start + max(60.0 / rpm if rpm else 0.0, 60.0 * tokens / tpm if tpm else 0.0)
         if start - now > NOTICE_EVERY:
             self._notice(f"pacing to live.rpm = {rpm:g}, live.tpm = {tpm:g}: the next request in {start - now:.0f} s")
-        await asyncio.sleep(start - now)
+        await self._sleep(start - now)
 
     async def _post(self, body: dict, timed: bool) -> dict:
         """POST with retries on transient failures; the parsed record (timed: seconds and usage)."""
@@ -614,9 +632,19 @@ class HTTPOracle(Oracle):
                 delay = self._backoff(attempt, wait)
                 self._notice(f"{url}: {last}; retry {attempt + 1} of {self.limits.retries} in {delay:.1f} s "
                              f"({self.stats['retries'] + 1} retries in this run)")
-                await asyncio.sleep(delay)
+                await self._sleep(delay)
         raise NVError(f"{url}: giving up after {self.limits.retries} retries (last: {last}); "
                       "paid work so far is in the journal and a rerun resumes from it")
+
+    async def _sleep(self, seconds: float) -> None:
+        """A pacing or back-off wait, cut short by Ctrl-C (then nothing more is sent: ``_Stopped``)."""
+        end = self._loop.time() + seconds
+        while (left := end - self._loop.time()) > 0:
+            if self._stopping:
+                raise _Stopped
+            await asyncio.sleep(min(left, 0.2))
+        if self._stopping:
+            raise _Stopped
 
     def _notice(self, message: str) -> None:
         """A line on stderr about a slow or failing endpoint (not with --quiet), at most one per NOTICE_EVERY s."""

@@ -82,8 +82,11 @@ class Journal:
     the server's usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
     """
 
-    def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = (), readonly: bool = False) -> None:
+        """``readonly``: read what a journal holds (a dry run's look at what is paid) without locking, repairing or
+        writing it, so it works beside the attack that is appending to it; nothing put afterwards is written."""
         self.path = None if path is None else Path(path)
+        self.readonly = readonly
         self.binding = json.loads(canonical(binding))
         self.unbound = unbound  # binding paths a resumed attack may change (how many requests, not what they ask)
         self.responses: dict[str, dict] = {}
@@ -97,6 +100,16 @@ class Journal:
     # -- reading -----------------------------------------------------------------------------
 
     def _open(self) -> None:
+        if self.readonly:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as exc:
+                raise NVError(f"journal {self.path} cannot be read: {exc.strerror}") from None
+            try:
+                self._read()
+            finally:
+                self.close()
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
@@ -107,7 +120,12 @@ class Journal:
         except OSError:
             self.close()
             raise NVError(f"journal {self.path} is in use by another process") from None
+        self._read()
+
+    def _read(self) -> None:
         entries = self._read_entries()
+        if self.readonly and (not entries or (len(entries) == 1 and entries[0].get("binding") != self.binding)):
+            return  # nothing paid under any binding
         if len(entries) == 1 and entries[0].get("binding") != self.binding:
             # a header and nothing paid under it (a first run that failed its set-up checks): nothing to lose, so the
             # corrected command reuses the file instead of being refused
@@ -152,7 +170,7 @@ class Journal:
                     continue
                 entries.append(entry)
                 whole += len(line)
-        if whole + len(tail) != size:
+        if whole + len(tail) != size and not self.readonly:  # read-only: the attack beside it may be appending
             self.close()
             raise NVError(f"journal {self.path} changed size while it was read ({size} bytes, then {whole + len(tail)}): "
                           "is another program writing it?")
@@ -161,7 +179,7 @@ class Journal:
                 not entries and tail and not (tail.startswith(start) or start.startswith(tail))):  # no header, nor a torn one
             self.close()  # before anything is truncated: someone else's file stays as it was
             raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
-        if tail:
+        if tail and not self.readonly:
             log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))
             os.ftruncate(self._fd, whole)
             os.fsync(self._fd)

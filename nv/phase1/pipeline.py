@@ -29,7 +29,7 @@ class CommonSet:
 
 
 def common_set(sampled: SampledMatrix, pruned: Pruned | None = None) -> CommonSet:
-    """Alg. 1 lines 5-7: greedy NaN pruning of Y_hat (or ``pruned``, that of its mask, ``observed_mask``), then the
+    """Alg. 1 lines 6-7: greedy NaN pruning of Y_hat (or ``pruned``, that of its mask, ``observed_mask``), then the
     dense submatrix Y (float64). Columns are taken first: taking the rows first would copy nearly all of Y_hat."""
     pruned = greedy_prune(sampled.counts) if pruned is None else pruned
     Y = sampled.logprobs[:, pruned.cols][pruned.rows].toarray().astype(np.float64)
@@ -103,7 +103,7 @@ def report(
 
 def sample(oracle, prompts: list[str], sampling: dict, robust: dict, seed: int, out_dir: Path, checkpoint_root: Path,
            identity: dict, progress: bool = True) -> tuple[Path, dict]:
-    """Alg. 1 lines 1-4 into ``out_dir``: N calls per prompt, or adaptive rounds when ``sampling.N`` is 'auto'
+    """Alg. 1 lines 1-5 into ``out_dir``: N calls per prompt, or adaptive rounds when ``sampling.N`` is 'auto'
     (``nv.phase1.adaptive``; the rounds and why they stopped are returned for the report)."""
     if sampling["N"] != "auto":
         return collect(oracle, prompts, sampling["N"], sampling["temperature"], seed, out_dir, oracle.vocab_size,
@@ -117,7 +117,7 @@ def sample(oracle, prompts: list[str], sampling: dict, robust: dict, seed: int, 
 
 def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path, progress: bool = True
                       ) -> tuple[Path, dict, dict]:
-    """Prompt search (App. B.1.1) and sampling (Alg. 1 lines 1-4) on any oracle, ``params``' seed, model, search,
+    """Prompt search (App. B.1.1) and sampling (Alg. 1 lines 1-5) on any oracle, ``params``' seed, model, search,
     sampling and spectrum sections: writes ``prompts.json`` and ``samples/`` under ``out_dir``; returns the samples
     folder, the search's cost and the adaptive rounds (empty at a fixed N), which ``estimate_and_report`` adds."""
     search, sampling = params["search"], params["sampling"]
@@ -133,7 +133,7 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
 
 def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_true: int | None, search_cost: dict,
                         adaptive: dict, out_dir: Path) -> tuple[dict, SampledMatrix]:
-    """Pruning and both estimators (Alg. 1 lines 5-7, Alg. 2) on the samples: writes ``report.json`` and
+    """Pruning and both estimators (Alg. 1 lines 6-7, Alg. 2) on the samples: writes ``report.json`` and
     ``spectrum.png`` under ``out_dir``; returns the report and the samples. No oracle is needed (its model may be
     freed first); ``d_true`` (white-box) fills the error columns only."""
     sampled = load_samples(samples_dir)

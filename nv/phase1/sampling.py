@@ -168,7 +168,7 @@ def collect(
     prompt_tokens: np.ndarray | None = None,
     desc: str | None = None,
 ) -> Path:
-    """Sample every prompt (Alg. 1 lines 1-4) into shards under ``out_dir``; return ``out_dir``.
+    """Sample every prompt into the sparse Y_hat (Alg. 1 lines 1-5), in shards under ``out_dir``; return ``out_dir``.
 
     ``identity`` names the target (model spec and oracle switches): with the prompts, N, tau and
     seed it keys the checkpoint folder under ``checkpoint_root``, so stale work is never reused.
