@@ -658,6 +658,35 @@ def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog)
     assert path.read_bytes() == whole
 
 
+def test_the_budget_pre_check_counts_only_what_the_journal_does_not_answer():
+    """``HTTPOracle.refuses`` on a resumed attack (no server: every reply it needs is in the journal or not asked).
+    A search replayed from the journal measures its prompts' tokens, as a paid one does (a rerun's check used the
+    ``live.prompt_tokens`` guess); after N is raised from 4 to 8, each prompt's first 4 requests are paid, and only
+    the other 4 count against the cap (a search over all requests at once counted most of them again)."""
+    prompts, seeds = [f"p{q}" for q in range(50)], [(0, q) for q in range(50)]
+    journal = Journal(None, {})
+    oracle = HTTPOracle("http://127.0.0.1:9/v1", "m", journal=journal, budget=Budget(calls=50 * 8))
+    try:
+        for p in prompts:  # the search's T = 0 calls, paid by an earlier run: 500 prompt tokens each
+            journal.put(request_key(oracle._body(p, 0.0, 1, None, logprobs=True)), {"c": [["s:a", -0.1, []]], "p": 500, "o": 1})
+        oracle.argmax(prompts)  # replayed, nothing sent
+        assert oracle.stats == {"sent": 0, "replayed": 50, "retries": 0} and oracle._prompt_len["p0"] == 500
+        refusal = oracle.refuses(prompts, 8, 2.0, seeds)
+        assert refusal is not None and "would pass the calls cap" in refusal and "~2e+05 billed tokens" in refusal
+        sizes = oracle._sizes(4)
+        for q in range(50):  # the first 4 requests of every prompt, paid under N = 4
+            for j in range(4):
+                journal.put(request_key(oracle._sample_body(prompts, 2.0, seeds, sizes, q * 4 + j)),
+                            {"c": [["s:a", -1.0, []]], "p": 500, "o": 1})
+        # spent: 50 search + 200 samples; left at N = 8: 200, so 450 <= 450 and 449 refuses
+        oracle.budget = Budget(calls=450)
+        assert oracle.refuses(prompts, 8, 2.0, seeds) is None
+        oracle.budget = Budget(calls=449)
+        assert "200 requests of ~1e+05 billed tokens would pass the calls cap of 449" in oracle.refuses(prompts, 8, 2.0, seeds)
+    finally:
+        oracle.close()
+
+
 def test_a_read_only_journal_reads_beside_the_attack_and_changes_nothing(tmp_path):
     """The dry run's look at what is paid: it reads a journal another process holds locked and is appending to,
     without its lock, and neither drops a torn last line nor rewrites a header-only journal of another binding."""
