@@ -383,7 +383,11 @@ def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root
     journal = out / "journal.jsonl"
     with FaultProxy(server.base_url) as proxy:
         args = attack_args(proxy.url, server.model_name, params, out)
-        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Ctrl-C's default disposition for the attack: a process that ignores SIGINT passes that on to its children
+        # (a shell's background job does, and so may a test worker), and the attack then ran on to exit 0 (twice in
+        # CI); reset here, the attack gets Python's KeyboardInterrupt whatever started the tests
+        proc = subprocess.Popen(NV + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 300
         while (not journal.exists() or len(journal_keys(journal)) < 12) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
