@@ -189,7 +189,7 @@ def _format_rounds(rounds: list[dict], budget: Budget, phase2: dict | None) -> s
     for r in rounds:
         line = (f"                    N = {r['N']:>11,}: {r['requests']:.3g} requests, {r['tokens_paper']:.3g} tokens (§5), "
                 f"{r['tokens_billed']:.3g} billed" + ("" if r["money"] is None else f", money {r['money']:.4g}"))
-        over = _over(_plus(r, phase2), budget)
+        over = budget.passed(*_with_phase2(r, phase2))
         if over and not stopped:
             line += f"  <- past --budget-{over[0]} {over[1]:,.6g}: the run stops before this round"
             stopped = True
@@ -231,29 +231,17 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     return "\n".join(lines)
 
 
-def _plus(cost: dict, phase2: dict | None) -> dict:
-    """Phase 1's ``cost`` with phase 2's added (requests, billed tokens, money), where phase 2 is planned."""
-    if phase2 is None:
-        return cost
-    money = None if cost["money"] is None else cost["money"] + phase2["money"]
-    return {"requests": cost["requests"] + phase2["requests"],
-            "tokens_billed": cost["tokens_billed"] + phase2["tokens_billed"], "money": money}
-
-
-def _over(cost: dict, budget: Budget) -> tuple[str, float, float] | None:
-    """The first cap that ``cost`` (a ``_cost`` dict) passes, as (what, cap, need), or None."""
-    for what, cap, need in (("calls", budget.calls, cost["requests"]), ("tokens", budget.tokens, cost["tokens_billed"]),
-                            ("money", budget.money, cost["money"])):
-        if cap is not None and need is not None and need > cap:
-            return what, cap, need
-    return None
+def _with_phase2(cost: dict, phase2: dict | None) -> tuple[int, int]:
+    """Requests and billed tokens of phase 1's ``cost`` (a ``_cost`` dict) with phase 2's added, where it is planned."""
+    extra = phase2 or {"requests": 0, "tokens_billed": 0}
+    return cost["requests"] + extra["requests"], cost["tokens_billed"] + extra["tokens_billed"]
 
 
 def check_budget(p: dict, budget: Budget) -> None:
     """Refuse, before anything is spent, a budget below the planned requests, tokens or money (adaptive: below the
     first round; the run stops after the last round the budget affords), phase 2's added where it is planned."""
     phase1 = p["rounds"][0] if p["adaptive"] else p
-    over = _over(_plus(phase1, p.get("phase2")), budget)
+    over = budget.passed(*_with_phase2(phase1, p.get("phase2")))
     if over:
         what, cap, amount = over
         with2 = f" with phase 2's {p['phase2']['requests']:,} timed calls" if p.get("phase2") else ""

@@ -97,6 +97,15 @@ class Budget:
     def money_of(self, tokens: int) -> float | None:
         return None if self.price_per_mtok is None else tokens * self.price_per_mtok / 1e6
 
+    def passed(self, calls: int, tokens: int) -> tuple[str, float, float] | None:
+        """The first cap that ``calls`` requests of ``tokens`` billed tokens in all pass, as (what, cap, amount), or
+        None within every cap."""
+        money = self.money_of(tokens)
+        for what, cap, amount in (("calls", self.calls, calls), ("tokens", self.tokens, tokens), ("money", self.money, money)):
+            if cap is not None and amount is not None and amount > cap:
+                return what, cap, amount
+        return None
+
 
 class _Stopped(Exception):
     """The run was interrupted: a request not yet sent (or a retry not yet made) is not sent."""
@@ -508,15 +517,11 @@ class HTTPOracle(Oracle):
         self._prompt_len[prompt] = record["p"]
         self._longest = max(self._longest, record["p"])
 
-    def _over(self, calls: int, tokens: int) -> tuple[str, float] | None:
-        """The budget cap (what, amount) that ``calls`` more requests of ``tokens`` more billed tokens would pass,
+    def _over(self, calls: int, tokens: int) -> tuple[str, float, float] | None:
+        """The budget cap (``Budget.passed``) that ``calls`` more requests of ``tokens`` more billed tokens would pass,
         on top of what is spent and reserved; None within every cap."""
-        spent, b = self.provider_cost, self.budget
-        calls, total = spent.calls + self._reserved_calls + calls, spent.tokens + self._reserved_tokens + tokens
-        money = b.money_of(total)
-        return ("calls", b.calls) if b.calls is not None and calls > b.calls else \
-               ("tokens", b.tokens) if b.tokens is not None and total > b.tokens else \
-               ("money", b.money) if b.money is not None and money is not None and money > b.money else None
+        spent = self.provider_cost
+        return self.budget.passed(spent.calls + self._reserved_calls + calls, spent.tokens + self._reserved_tokens + tokens)
 
     def refuses(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence,
                 prompt_tokens: Sequence[int] | None = None) -> str | None:

@@ -52,14 +52,16 @@ def load_calibration(path: Path) -> dict:
     return cal
 
 
+def _sweep(cal: dict, d_hat: int, p_max: int) -> np.ndarray:
+    """App. D's lengths around the crossover of d_hat (Eq. 11), with the calibration's ratios, r and n_lengths."""
+    return sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"])
+
+
 def timing_cost(cal: dict, d_hat: int | None, p_max: int) -> dict:
     """Phase 2's requests and billed tokens on the endpoint: App. D's warm-ups (at the longest length), the ell = 1
     baseline and K trials at each length of the sweep of d_hat, one output token each. Without d_hat (phase 1 finds
     it) a bound: every length at the longest any sweep reaches, p_max - 200."""
-    if d_hat is not None:
-        lengths = sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"])
-    else:
-        lengths = np.full(cal["n_lengths"] + 1, p_max - 200)
+    lengths = _sweep(cal, d_hat, p_max) if d_hat is not None else np.full(cal["n_lengths"] + 1, p_max - 200)
     requests = cal["warmups"] + cal["trials"] * (len(lengths) + 1)
     tokens = cal["warmups"] * int(lengths.max()) + cal["trials"] * (int(lengths.sum()) + 1) + requests
     return {"requests": requests, "tokens_billed": tokens, "bound": d_hat is None}
@@ -70,7 +72,7 @@ def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: 
     """The report's phase-2 fields: L_hat (and P_hat) of the endpoint, or why there are none."""
     if d_hat is None:
         return {"timing": {"note": "no d_hat from phase 1 (spectrum not saturated): phase 2 needs one"}}
-    lengths = sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"])
+    lengths = _sweep(cal, d_hat, p_max)
     # resume through the journal, not the checkpoint: a rerun then asks every timed call again (replayed, unpaid),
     # so its §5 cost counts them as an uninterrupted run's does (a checkpoint would skip them uncounted)
     Path(checkpoint).unlink(missing_ok=True)
