@@ -124,15 +124,17 @@ class Journal:
 
     def _read(self) -> None:
         entries = self._read_entries()
-        if self.readonly and (not entries or (len(entries) == 1 and entries[0].get("binding") != self.binding)):
-            return  # nothing paid under any binding
         if len(entries) == 1 and entries[0].get("binding") != self.binding:
             # a header and nothing paid under it (a first run that failed its set-up checks): nothing to lose, so the
             # corrected command reuses the file instead of being refused
+            if self.readonly:
+                return
             log.info("journal %s: no reply was paid under its binding; reused for this attack", self.path)
             os.ftruncate(self._fd, 0)
             entries = []
         if not entries:
+            if self.readonly:
+                return
             self._append({"journal": MAGIC, "version": VERSION, "binding": self.binding})
             self.sync()
             return

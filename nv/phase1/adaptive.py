@@ -186,8 +186,7 @@ def sample_adaptive(
                 except BudgetExhausted as exc:
                     if merged is None:
                         raise
-                    next_tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * delta
-                    why = f"round {r} (N = {N:,}, {next_tokens:.3g} more tokens) not affordable: {exc}"
+                    why = f"round {r} (N = {N:,}, {_tokens(merged, delta):.3g} more tokens) not affordable: {exc}"
                     report(f"stopped: {why}")
                     break
             merged = load_samples(folder) if merged is None else merge(merged, folder)
@@ -200,13 +199,18 @@ def sample_adaptive(
                 why = "stable" if stable else "N_max"
                 if not stable:  # what going on would cost, at the prompts' measured tokens
                     more = next_budget(N, done.saturated, sys.maxsize, growth)
-                    tokens = int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * (more - N)
                     report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
-                           f"would cost {tokens:.3g} more tokens (§5): raise sampling.N_max and rerun the same command")
+                           f"would cost {_tokens(merged, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
+                           "the same command")
                 break
             previous, N = N, nxt
     save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
     return Path(out_dir), rounds, why
+
+
+def _tokens(merged: SampledMatrix, calls: int) -> int:
+    """§5 tokens of ``calls`` more calls per prompt of ``merged``, at its prompts' measured tokens (prompt + 1 each)."""
+    return int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * calls
 
 
 def _finished(folder: Path, N: int, D: int) -> bool:
