@@ -70,7 +70,7 @@ def summary(record: dict) -> dict:
     out = {k: record[k] for k in ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}
     out |= {k: record[k] for k in ("adaptive_stop", "cost") if k in record}
     if "timing" in record:
-        out["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "P_hat", "note")}
+        out["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "L_interval", "P_hat", "P_interval", "note")}
     return out
 
 
@@ -135,7 +135,7 @@ def attack_live(args: argparse.Namespace) -> int:
 
     timing = None
     if args.timing_calibration:
-        from nv.phase2.live import load_calibration
+        from nv.phase2.calibration import load_calibration
 
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
@@ -206,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                       "endpoint (e.g. search.D = 300, sampling.N = 10000); plans N from its fitted tail (nv.phase1.planner)")
     phase2 = p.add_argument_group("phase 2, timing (with --base-url)")
     phase2.add_argument("--timing-calibration", metavar="FILE",
-                        help="outputs/timing_fit/calibration.json: after phase 1, time the endpoint and report L_hat (and P_hat)")
+                        help="outputs/timing_fit/calibration.json: after phase 1, time the endpoint and report L_hat "
+                        "(and P_hat), with 90 %% intervals")
     phase2.add_argument("--timing-k", type=_positive, metavar="K",
                         help="platform transfer factor k of Eq. 8 (default 1: the endpoint runs on the calibration's platform)")
-    phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (Eq. 3)")
+    phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (the prefill curve's and Eq. 3's)")
     phase2.add_argument("--context-length", type=_count, metavar="P", help="the endpoint's context p_max (sweep cap; default 8192)")
     phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
     p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",

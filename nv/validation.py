@@ -4,20 +4,11 @@ of every real model of the run, with calibrated intervals and their coverage.
 The real models are ``model.spec`` (the section stages) and every entry of ``validation.models`` (its own
 stages). Phase 2 is evaluated in two setups: ``F``, the target against the random-weight reference family
 only (as the section stages do), and ``all``, leave-one-out among every timed model (the references and the
-other real models, with their true facts): the paper's setup. Depth: both of the paper's estimators
-(``nv.phase2.evaluation.held_out``: the basic estimator of §4.2 and Eq. 10) and a stated rule choosing
-between them from what the attacker has (``choose_rule``): the estimator with the smaller median leave-one-out
-error over the calibration's own reference models, among those that give the target a depth. Parameters: Eq. 3
-with the paper's default ratios, with the target's true ratios (an oracle, for comparison), and the attacker-side
-estimate from the prefill curve (``nv.phase2.prefill``), the headline.
-
-Intervals (90 % nominal): d from the detector (``nv.phase1.sweep.d_interval``); L and P_ne from the leave-one-out
-residuals of the same calibration's references, L_hat exp(+-q) with q the largest |log(L_hat/L)| among them (split
-conformal: level n/(n+1) for n references); P spans the tied and untied totals, widened the same way. That holds
-for a target exchangeable with the references; a target of another family (a wider MLP, say) moves the two depth
-estimators apart, so the headline interval is the ``hull`` of both estimators' intervals (as wide as the attacker's
-own estimators disagree), and the rule's estimator's interval alone is kept beside it (``_rule``). Coverage of both
-is counted over every (model, budget).
+other real models, with their true facts): the paper's setup. L_hat and P_hat, the rule choosing between
+the paper's two depth estimators and the calibrated 90 % intervals are ``nv.phase2.intervals``'s (the live attack
+uses the same); d's interval is the detector's (``nv.phase1.sweep.d_interval``). Beside the attacker-side P_hat:
+Eq. 3 with the paper's default ratios and with the target's true ratios (an oracle, for comparison). Coverage of
+the intervals is counted over every (model, budget).
 """
 
 from __future__ import annotations
@@ -31,11 +22,8 @@ import pandas as pd
 from nv.errors import NVError
 from nv.outputs import read_json
 from nv.overall import with_trials
-from nv.phase2 import prefill
-from nv.phase2.evaluation import held_out
 from nv.phase2.fit import total_params
-
-ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
+from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, held_out_all, reference_errors
 
 
 def _duration(notebook: Path) -> float:
@@ -105,51 +93,6 @@ def _setup(records: dict[str, list[dict]], g: dict, setup: str) -> dict[str, lis
     return {p: [r | {"role": role(r)} for r in recs if role(r) != "excluded"] for p, recs in records.items()}
 
 
-def _conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
-    """The largest leave-one-out |log(estimate / truth)| of the n calibration models: an interval of this half-width
-    covers a new exchangeable model with probability n / (n + 1) (split conformal; 86-88 % for 6-7 models, the
-    closest this family size comes to 90 %). A model without a fit counts as an infinite residual."""
-    ok = np.isfinite(estimates) & (estimates > 0)
-    return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.all() and len(ok) >= 2 else np.inf
-
-
-def hull(estimates: list, q: list) -> tuple[np.ndarray, np.ndarray]:
-    """The smallest interval holding each estimator's conformal interval [x exp(-q_x), x exp(q_x)] (arrays over cases;
-    an estimator without a positive estimate is left out; none: NaN; an infinite q_x: [0, inf])."""
-    x = np.asarray(estimates, dtype=np.float64)
-    q = np.broadcast_to(np.asarray(q, dtype=np.float64), x.shape)
-    ok = np.isfinite(x) & (x > 0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        lo = np.where(ok, x * np.exp(-q), np.inf).min(axis=0)
-        hi = np.where(ok, x * np.exp(q), -np.inf).max(axis=0)
-    none = ~ok.any(axis=0)
-    return np.where(none, np.nan, lo), np.where(none, np.nan, hi)
-
-
-def _held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
-    """held_out for ``g`` on its platform plus the attacker-side P_ne_hat for both depth estimators."""
-    reference = next(iter(recs))
-    row = held_out(recs[reference], recs[g["platform"]], g, timing, "d_used") | {"P_ne_true": prefill.non_embedding_params(g)}
-    refs = [r for r in recs[g["platform"]] if r["role"] == "reference" and r["model"] != g["model"]]
-    try:
-        cal = prefill.calibrate(refs)
-    except NVError as exc:  # no attacker-side P_ne_hat: reported, not fatal
-        return row | {"note_prefill": str(exc)}
-    for name, key in ESTIMATORS.items():
-        L_hat = row.get(key, np.nan)
-        if np.isfinite(L_hat) and L_hat > 0:
-            row[f"P_ne_hat_{name}"] = prefill.non_embedding_hat(cal, g["ell"], g["T"], g["sigma"], g["d_used"], L_hat)
-    return row
-
-
-def choose_rule(scores: dict[str, float], row: dict) -> str:
-    """The rule's estimator: the smallest median leave-one-out error over the references (``scores``) among those
-    that give the target a depth (``row``, from ``_held_out_all``); the first by score when none does. An estimator
-    whose fit on the target is not positive (noted) yields to the other, as an attacker would."""
-    order = sorted(scores, key=scores.get)
-    return next((name for name in order if row.get(ESTIMATORS[name], np.nan) > 0), order[0])
-
-
 def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
     """Every real model x setup x platform x K' (the first K' trials per length): L_hat by both estimators
     and the rule, P_ne_hat, and the 90 % residual quantiles of the same calibration's references."""
@@ -159,21 +102,12 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
         for setup in ("F", "all"):
             recs = _setup(records, g, setup)
             # the calibration's own references, each held out in turn: the attacker's error estimate
-            ref_rows = pd.DataFrame([_held_out_all(recs, r, timing) for r in recs[g["platform"]] if r["role"] == "reference"])
-            def column(name: str) -> np.ndarray:
-                return ref_rows.get(name, pd.Series(np.nan, index=ref_rows.index)).to_numpy(float)
-
-            scores, q = {}, {}  # per estimator: the rule's score (median error) and the conformal half-widths of L, P_ne
-            for name, key in ESTIMATORS.items():
-                err = np.abs(column(key) / column("L_true") - 1)
-                scores[name] = np.nanmedian(err) if np.isfinite(err).any() else np.inf
-                q[f"q_L_{name}"] = _conformal(column(key), column("L_true"))
-                q[f"q_P_{name}"] = _conformal(column(f"P_ne_hat_{name}"), column("P_ne_true"))
+            scores, q = reference_errors([held_out_all(recs, r, timing) for r in recs[g["platform"]] if r["role"] == "reference"])
             for K in trial_counts:
                 if K > g["trials"]:
                     continue
                 gk = with_trials(g, K, timing["trim"])
-                row = _held_out_all(recs, gk, timing)
+                row = held_out_all(recs, gk, timing)
                 rule = choose_rule(scores, row)
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
@@ -181,9 +115,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                              "setup": setup, "trials": K, "timing_tokens": gk["tokens"], "timing_calls": _calls(gk, timing["warmups"]),
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
-                             "rule": rule, "median_ref_err_basic": scores["basic"], "median_ref_err_eq10": scores["eq10"],
-                             "L_hat_rule": row.get(ESTIMATORS[rule], np.nan), "P_ne_hat": row.get(f"P_ne_hat_{rule}", np.nan),
-                             "q_L": q[f"q_L_{rule}"], "q_P": q[f"q_P_{rule}"], **q})
+                             "rule": rule, "median_ref_err_basic": scores["basic"], "median_ref_err_eq10": scores["eq10"], **q})
     table = pd.DataFrame(rows)
     reference = next(iter(records))
     table["calibration"] = np.where(table.platform == reference, "same platform", f"{reference} -> " + table.platform)
@@ -204,16 +136,13 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
     out = cases[["model", "setup", "platform", "calibration", "N", "trials", "d_true", "L_true", "P_true", "saturated", "rule"]].copy()
     out["d_hat_raw"], out["d_hat"], out["d_lo"], out["d_hi"] = cases.d_hat_raw, d_hat, cases.d_lo, cases.d_hi
     out["lower_bound"] = cases.lower_bound
-    out["L_hat"] = cases.L_hat_rule * scale
-    out["L_hat_basic"], out["L_hat_eq10"] = cases.L_hat * scale, cases.L_hat_eq10 * scale
-    out["L_lo_rule"], out["L_hi_rule"] = out.L_hat * np.exp(-cases.q_L), out.L_hat * np.exp(cases.q_L)
-    out["L_lo"], out["L_hi"] = hull([out.L_hat_basic, out.L_hat_eq10], [cases.q_L_basic, cases.q_L_eq10])
+    L_hat = {"basic": cases.L_hat * scale, "eq10": cases.L_hat_eq10 * scale}
+    P_ne_hat = {name: cases[f"P_ne_hat_{name}"] for name in ESTIMATORS}
     V = cases.vocab_size.astype(float)
-    out["P_hat"] = prefill.param_range(cases.P_ne_hat, d_hat, V)[2]
-    out["P_lo_rule"] = prefill.param_range(cases.P_ne_hat * np.exp(-cases.q_P), d_hat, V)[0]
-    out["P_hi_rule"] = prefill.param_range(cases.P_ne_hat * np.exp(cases.q_P), d_hat, V)[1]
-    P_ne_lo, P_ne_hi = hull([cases.P_ne_hat_basic, cases.P_ne_hat_eq10], [cases.q_P_basic, cases.q_P_eq10])
-    out["P_lo"], out["P_hi"] = prefill.param_range(P_ne_lo, d_hat, V)[0], prefill.param_range(P_ne_hi, d_hat, V)[1]
+    est = estimates(L_hat, P_ne_hat, cases, cases.rule, d_hat, V)  # cases carry the references' q_L_<name>, q_P_<name>
+    out["L_hat"], out["L_hat_basic"], out["L_hat_eq10"] = est["L_hat"], L_hat["basic"], L_hat["eq10"]
+    for key, value in est.items():
+        out[key] = value
     eq3 = [(total_params(d, L, v, kv_ratio, ffn_ratio, False), total_params(d, L, v, kv, ffn, tie)) if d > 0 and L > 0 else (np.nan, np.nan)
            for d, L, v, kv, ffn, tie in zip(d_hat.fillna(0), out.L_hat.fillna(0), V, cases.kv_true, cases.ffn_true, cases.tied_true)]
     out["P_hat_paper"], out["P_hat_oracle"] = [e[0] for e in eq3], [e[1] for e in eq3]

@@ -17,10 +17,12 @@ import pytest
 
 from nv.errors import NVError
 from nv.overall import combine, results_table, timing_budgets, to_markdown, with_trials
-from nv.phase2.evaluation import calibration, evaluate, held_out, param_estimates
-from nv.phase2.live import load_calibration
+from nv.phase2 import live, prefill
+from nv.phase2.calibration import calibration, load_calibration
+from nv.phase2.evaluation import evaluate, held_out, param_estimates
+from nv.phase2.intervals import choose_rule, estimates
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
-from nv.validation import choose_rule, evaluate_timing
+from nv.validation import evaluate_timing
 
 BETA, ALPHA, BASE = 2e-12, 0.01, 0.05  # s per unit L ell^2 d, s, the ell = 1 baseline latency (s)
 TIMING = {"platforms": {"inprocess": {"r": 0.1, "trials": 4, "threads": 2, "references": "all"},
@@ -35,19 +37,21 @@ def eq3_by_hand(d, L, V, kv, ffn, tied):
     return (1 if tied else 2) * V * d + L * (2 + 2 * kv + 3 * ffn) * d * d + (2 * L + 1) * d
 
 
-def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4, facts=None, alpha=ALPHA):
+def record(name, role, L, d, platform, k=1.0, d_used=None, trials=4, jitter=1e-4, facts=None, alpha=ALPHA, c=0.0):
     """A timing record with K trials per length: Eq. 9's latency k beta L ell^2 d + alpha (the platform factor k
     scales the prefill, not the fixed overhead) plus the baseline, each trial off by +- jitter seconds
-    (alternating), so the means are exact and every sigma_T is the same (the fits' weights are equal)."""
+    (alternating), so the means are exact and every sigma_T is the same (the fits' weights are equal). ``c``: the
+    prefill curve's linear term, k c P_ne ell (nv.phase2.prefill), which Eq. 2 leaves out."""
+    facts = facts or {"n_heads": d // 64, "n_kv_heads": max(1, d // 256), "d_ffn": 3 * d, "tied": False, "vocab_size": 49152}
+    P = eq3_by_hand(d, L, facts["vocab_size"], facts["n_kv_heads"] / facts["n_heads"], facts["d_ffn"] / d, facts["tied"])
+    P_ne = facts.get("P", P) - facts["vocab_size"] * d * (1 if facts["tied"] else 2) - d
     ell = np.round(np.linspace(0.5, 1.5, 10) * 5 * d).astype(int)
     sign = np.where(np.arange(trials) % 2, -1.0, 1.0)
     rows = [LengthTimings(BASELINE, [1] * trials, list(BASE + jitter * sign))]
     for e in ell:
-        T = k * BETA * L * e**2 * d + alpha
+        T = k * (BETA * L * e**2 * d + c * P_ne * e) + alpha
         rows.append(LengthTimings(int(e), [int(e)] * trials, list(T + BASE + jitter * sign)))
     stats = summarize(rows, 0.0)
-    facts = facts or {"n_heads": d // 64, "n_kv_heads": max(1, d // 256), "d_ffn": 3 * d, "tied": False, "vocab_size": 49152}
-    P = eq3_by_hand(d, L, facts["vocab_size"], facts["n_kv_heads"] / facts["n_heads"], facts["d_ffn"] / d, facts["tied"])
     return {"model": name, "role": role, "platform": platform, "L": L, "d": d, "d_used": d_used or d, "P": facts.get("P", P),
             **{k_: facts[k_] for k_ in ("vocab_size", "n_heads", "n_kv_heads", "d_ffn", "tied")},
             "rows": [r.__dict__ for r in rows], "ell": stats["ell"].tolist(), "T": stats["T"].tolist(),
@@ -141,7 +145,7 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         {k: TIMING[k] for k in ("warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")}
     # only references on the reference platform enter: the target and the other platform change nothing
     changed = records(k=7.0, target_L=90)
-    assert calibration(changed, TIMING) == pytest.approx(cal)
+    assert calibration(changed, TIMING) == cal
     # gamma_ref (Eq. 6, L unknown): with every reference at depth 20 it is 20 beta exactly
     same_depth = {"inprocess": [record(n, "reference", 20, d, "inprocess") for n, _, d in FAMILY]}
     assert calibration(same_depth, TIMING)["gamma_ref"] == pytest.approx(20 * BETA, rel=1e-6)
@@ -151,10 +155,17 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
     path.write_text(json.dumps({**cal, "beta": -1.0}))
     with pytest.raises(NVError, match="has beta = -1.0: its reference fit failed"):
         load_calibration(path)
-    for key, value in (("beta", "abc"), ("alpha", None)):  # hand-edited: one line, no TypeError
+    for key, value, rule in (("beta", "abc", "is not a finite number"), ("alpha", None, "is not a finite number"),
+                             ("q_L_eq10", -0.1, "is not a number >= 0 or null"), ("score_basic", "0.1", "is not a number >= 0 or null"),
+                             ("prefill", {"b": 1.0, "c": 0.0, "a": 0.0}, "is neither null nor finite b, c > 0, a"),
+                             ("prefill", [1, 2, 3], "is neither null nor finite b, c > 0, a")):  # hand-edited: one line, no TypeError
         path.write_text(json.dumps({**cal, key: value}))
-        with pytest.raises(NVError, match=f"{key} = {value!r} is not a finite number"):
+        with pytest.raises(NVError, match=re.escape(f"{key} = {value!r} {rule}: use outputs/timing_fit")):
             load_calibration(path)
+    old = {k: v for k, v in cal.items() if k not in ("prefill", "q_L_basic")}  # one written before the intervals
+    path.write_text(json.dumps(old))
+    with pytest.raises(NVError, match=r"lacks \['prefill', 'q_L_basic'\].*rerun `dvc repro timing_fit`"):
+        load_calibration(path)
     # the protocol's values by params.yaml's rules for them, before phase 1 pays: a wrong type, a value out of range,
     # more lengths discarded than the fit can spare (params.yaml's own check, with the same words)
     for key, value, rule in (("trials", 2.5, "must be int, got float 2.5"), ("r", True, "must be int or float, got bool True"),
@@ -163,6 +174,61 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         path.write_text(json.dumps({**cal, key: value}))
         with pytest.raises(NVError, match=f"^{re.escape(f'timing calibration {path}: ')}'timing.{key}' {rule}.*use outputs/timing_fit"):
             load_calibration(path)
+
+
+def test_the_live_attack_reads_a_target_as_the_validation_does():
+    """Timings with the prefill curve's linear term (a per-parameter cost, nv.phase2.prefill), which Eq. 2 leaves
+    out: the calibration file carries the curve's b, c, a and, from its references each held out in turn, the
+    rule's scores and conformal half-widths that the validation computes for a target on the reference platform;
+    ``nv.phase2.live.estimate`` on the target's timings then gives the validation's rule, L_hat, P_hat and
+    intervals. A platform k times slower reads the same depth and size with the transfer factor k."""
+    C = 1e-13  # s per non-embedding parameter per token: ~10 % of the prefill at these lengths
+    recs = {"inprocess": [record(n, "reference", L, d, "inprocess", c=C) for n, L, d in FAMILY]
+            + [record("smollm2", "target", 30, 576, "inprocess", facts=SMOL, c=C)]}
+    timing = {**TIMING, "platforms": {"inprocess": TIMING["platforms"]["inprocess"]}}
+    cal = calibration(recs, timing)
+    assert [cal["prefill"][k] for k in "bca"] == pytest.approx([BETA, C, ALPHA], rel=1e-6)
+    row = evaluate_timing(recs, timing, [4]).iloc[0]  # setup F, same platform, every trial
+    for key in ("q_L_basic", "q_L_eq10", "q_P_basic", "q_P_eq10"):
+        assert cal[key] == pytest.approx(row[key], rel=1e-12) and 0 < cal[key] < 1, key
+    assert (cal["score_basic"], cal["score_eq10"]) == pytest.approx((row.median_ref_err_basic, row.median_ref_err_eq10), rel=1e-12)
+    target = recs["inprocess"][-1]
+    ell, T, sigma = (np.array(target[k]) for k in ("ell", "T", "sigma"))
+    out = live.estimate(ell, T, sigma, 576, cal, 1.0, 49152)
+    L_hat = {"basic": row.L_hat, "eq10": row.L_hat_eq10}
+    P_ne_hat = {"basic": row.P_ne_hat_basic, "eq10": row.P_ne_hat_eq10}
+    want = {k: float(v) for k, v in estimates(L_hat, P_ne_hat, row, row.rule, 576.0, 49152.0).items()}
+    assert out["rule"] == row.rule and (out["L_hat_basic"], out["L_hat_eq10"]) == pytest.approx((row.L_hat, row.L_hat_eq10), rel=1e-9)
+    assert out["L_hat"] == pytest.approx(want["L_hat"], rel=1e-9) and out["P_hat"] == pytest.approx(want["P_hat"], rel=1e-9)
+    for what in ("L", "P"):
+        assert out[f"{what}_interval"] == pytest.approx([want[f"{what}_lo"], want[f"{what}_hi"]], rel=1e-9)
+        assert out[f"{what}_interval_rule"] == pytest.approx([want[f"{what}_lo_rule"], want[f"{what}_hi_rule"]], rel=1e-9)
+        lo, hi = out[f"{what}_interval"]
+        assert lo <= out[f"{what}_hat"] <= hi and lo <= target[what] <= hi, (what, lo, hi)  # here, the truth too
+    print(f"target L 30, P 134.5 M: L_hat {out['L_hat']:.2f} ({out['rule']}) {np.round(out['L_interval'], 2)}, "
+          f"P_hat {out['P_hat'] / 1e6:.1f} M {np.round(np.array(out['P_interval']) / 1e6, 1)}")
+    tied, untied = out["P_tied_untied"]
+    assert tied < out["P_hat"] < untied and untied - tied == pytest.approx(49152 * 576)
+    assert out["P_hat_paper"] == pytest.approx(eq3_by_hand(576, out["L_hat"], 49152, 0.25, 3.5, False), rel=1e-12)
+    # a platform 2x slower in prefill, not in its fixed overhead, read with k = 2: the same depth (Eqs. 9-10 divide
+    # by k beta; the overhead as Eq. 2's fit puts it), and P_ne as the calibration's platform reads it at that depth
+    # (the prefill curve's b and c scale by k; its overhead a, 0.010 s here, is its own fit's, not Eq. 2's 0.013 s)
+    slow = live.estimate(ell, 2 * (T - cal["alpha"]) + cal["alpha"], sigma, 576, cal, 2.0, 49152)
+    for key in ("L_hat", "L_hat_basic", "L_hat_eq10"):
+        assert slow[key] == pytest.approx(out[key], rel=1e-9), key
+    a = cal["prefill"]["a"]
+    slow = live.estimate(ell, 2 * (T - a) + a, sigma, 576, cal, 2.0, 49152)
+    P_ne = prefill.non_embedding_hat(prefill.PrefillCalibration(**cal["prefill"]), ell, T, sigma, 576, slow["L_hat"])
+    assert slow["P_hat"] == pytest.approx(prefill.param_range(P_ne, 576, 49152)[2], rel=1e-9)
+    # without the prefill curve (its fit failed) or the vocabulary: L_hat, and a note for what is missing
+    no_curve = live.estimate(ell, T, sigma, 576, {**cal, "prefill": None}, 1.0, 49152)
+    assert "P_hat" not in no_curve and no_curve["note"].startswith("no attacker-side P_hat") and no_curve["L_hat"] == out["L_hat"]
+    no_vocab = live.estimate(ell, T, sigma, 576, cal, 1.0, None)
+    assert "P_hat_paper" not in no_vocab and no_vocab["note"].startswith("no --vocab-size")
+    # no reference with a fit: unbounded intervals, as null in the report
+    blind = live.estimate(ell, T, sigma, 576, {**cal, **{k: None for k in ("q_L_basic", "q_L_eq10", "q_P_basic", "q_P_eq10")}}, 1.0, 49152)
+    assert blind["L_interval"] == [0.0, None] and blind["L_hat"] == out["L_hat"]
+    json.dumps(blind, allow_nan=False)  # the report is strict JSON
 
 
 # -- nv.overall --------------------------------------------------------------------------------------
@@ -205,11 +271,14 @@ def test_the_rule_takes_the_estimator_the_references_favour_unless_it_gives_the_
     timing = {**TIMING, "platforms": {"inprocess": TIMING["platforms"]["inprocess"]}}
     normal = evaluate_timing(build(30, ALPHA), timing, [4]).iloc[0]
     assert normal.median_ref_err_eq10 < 0.015 < 0.04 < normal.median_ref_err_basic
-    assert normal.rule == "eq10" and normal.L_hat_rule == normal.L_hat_eq10 and normal.q_L == normal.q_L_eq10
+    assert normal.rule == "eq10"
     falling = evaluate_timing(build(-5, 0.2), timing, [4]).iloc[0]
     assert (falling.median_ref_err_eq10, falling.median_ref_err_basic) == (normal.median_ref_err_eq10, normal.median_ref_err_basic)
     assert np.isnan(falling.L_hat_eq10) and "do not grow with ell^2 d" in falling.note_eq10 and falling.L_hat > 0
-    assert falling.rule == "basic" and falling.L_hat_rule == falling.L_hat and falling.q_L == falling.q_L_basic
+    assert falling.rule == "basic"
+    # the rule's estimator with its own interval, not a NaN
+    est = estimates({"basic": falling.L_hat, "eq10": falling.L_hat_eq10}, {"basic": np.nan, "eq10": np.nan}, falling, falling.rule, 576, 49152)
+    assert est["L_hat"] == falling.L_hat and est["L_lo_rule"] == pytest.approx(falling.L_hat * np.exp(-falling.q_L_basic))
     assert choose_rule({"basic": 0.3, "eq10": 0.1}, {}) == "eq10"  # no depth from either: the references' choice
 
 

@@ -768,38 +768,30 @@ def test_n_samples_per_request_where_honoured(server):
     assert sum(r["p"] for r in records) == 3 * ell  # the provider bills the prompt once per request
 
 
-# Phase 2 on the endpoint: a real calibration, made as the timing_fit stage makes one, on the endpoint's own platform
-# (a llama.cpp server with log-probs, 1 thread): two random-weight references with SmolLM2's layer shape (d = 576,
-# 9 / 3 heads, d_ffn = 1536) and known depths 4 and 16, timed with the App. D protocol below. Same platform, so
-# k = 1; the served model has L = 30 and P = 134,515,008 (the test prints the estimates beside them). Shallow
+# Phase 2 on the endpoint: a real calibration, made as the timing and timing_fit stages make one, on the endpoint's
+# own platform (a llama.cpp server, 1 thread): three random-weight references with SmolLM2's layer shape (d = 576,
+# 9 / 3 heads, d_ffn = 1536) and known depths 4, 10 and 16, timed with the App. D protocol below (three, so that
+# each held out leaves two to fit: the intervals are then finite, at the split-conformal level 3/4). Same platform,
+# so k = 1; the served model has L = 30 and P = 134,515,008 (the test prints the estimates beside them). Shallow
 # references and 4 trials (the middle 2 kept) because this test took 31 min on a degraded machine with depths 10
 # and 40 and 5 trials; the accuracy it prints is the protocol's at CI cost, not the README's.
-REF_DEPTHS = (4, 16)
+REF_DEPTHS = (4, 10, 16)
 PROTOCOL = {"r": 0.02, "trials": 4, "warmups": 2, "trim": 0.25, "n_lengths": 5, "discard": 1, "kv_ratio": 0.25, "ffn_ratio": 3.5}
 
 
 @pytest.fixture(scope="module")
 def calibration_file(lm32, tmp_path_factory):
-    from nv.models.loading import embedded_gguf
-    from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
-    from nv.phase2.evaluation import calibration
-    from nv.phase2.fit import sweep_lengths
-    from nv.phase2.protocol import collect_timings, summarize
+    from nv.phase2.calibration import calibration
+    from nv.phase2.platforms import reference_model, time_platform
 
     tmp = tmp_path_factory.mktemp("calibration")
+    cfg = {"r": PROTOCOL["r"], "trials": PROTOCOL["trials"], "threads": 1, "references": "all"}
+    timing = {"platforms": {"llamacpp": cfg}, **{k: v for k, v in PROTOCOL.items() if k not in ("r", "trials")}}
     records = []
-    for L in REF_DEPTHS:
-        shape = shape_from_entry({"d": 576, "L": L, "n_kv_heads": 3, "d_ffn": 1536}, lm32.arch.vocab_size, 1024)
-        gguf = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, f"ref-{L}"), embedded_gguf(), tmp / f"ref-{L}.gguf")
-        lengths = sweep_lengths(576, 192, 1536, 1024, PROTOCOL["r"], PROTOCOL["n_lengths"])  # its true shape (App. D)
-        with LlamaServer(gguf, n_ctx=1024, n_threads=1) as s, HTTPOracle(s.base_url, s.model_name) as oracle:
-            rows = collect_timings(oracle, lengths, PROTOCOL["trials"], PROTOCOL["warmups"], 0, tmp / f"t{L}.jsonl",
-                                   {"model": f"ref-{L}"}, progress=False)
-        stats = summarize(rows, PROTOCOL["trim"])
-        records.append({"model": f"ref-{L}", "role": "reference", "platform": "llamacpp", "L": L, "d": 576, "d_used": 576,
-                        "ell": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist()})
-    timing = {"platforms": {"llamacpp": {"r": PROTOCOL["r"], "trials": PROTOCOL["trials"], "threads": 1, "references": "all"}},
-              **{k: v for k, v in PROTOCOL.items() if k not in ("r", "trials")}}
+    for L in REF_DEPTHS:  # the timing_reference stage's path: a random-weight GGUF served, swept by its true shape
+        model = reference_model(f"ref-{L}", {"d": 576, "L": L, "n_kv_heads": 3, "d_ffn": 1536}, lm32, 0)
+        records.append(time_platform(model, "llamacpp", cfg, model.lengths(cfg["r"], PROTOCOL["n_lengths"]), timing, 0,
+                                     tmp / f"t{L}.jsonl", progress=False))
     cal = calibration({"llamacpp": records}, timing)
     assert cal["beta"] > 0 and cal["platform"] == "llamacpp"
     path = tmp / "calibration.json"
@@ -833,12 +825,24 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert len(T) == 6 and np.all(np.isfinite(T))
     cal = json.loads(calibration_file.read_text())
     assert (t["beta"], t["alpha"]) == (cal["beta"], cal["alpha"])
-    print(f"live phase 2 (true L 30, P 134.5 M): L_hat {t['L_hat']:.1f}, Eq. 10 {t['L_hat_eq10']:.1f}, T {np.round(T, 3)}")
+    lo, hi = t["L_interval"]
+    print(f"live phase 2 (true L 30, P 134.5 M): L_hat {t['L_hat']:.1f} ({t['rule']}; basic {t['L_hat_basic']:.1f}, "
+          f"Eq. 10 {t['L_hat_eq10']:.1f}), 90 % [{lo}, {hi}], P_hat {t.get('P_hat')}, {t.get('P_interval')}, "
+          f"T {np.round(T, 3)}, calibration q_L {cal['q_L_basic']}, {cal['q_L_eq10']}, prefill {cal['prefill']}")
+    assert t["rule"] in ("basic", "eq10") and t["L_hat"] == t[f"L_hat{'_eq10' if t['rule'] == 'eq10' else '_basic'}"]
     if t["L_hat"] > 0:
-        # P_hat: Eq. 3 with the paper's default ratios (1/4, 3.5, untied), written out here from the paper; SmolLM2
-        # ties its embeddings and has d_ffn/d = 2.67, so even at the true L these ratios count 186.1 M (38 % too many)
+        # the headline's 90 % interval holds it (both ends finite when both estimators' references had fits)
+        assert (lo is None or lo <= t["L_hat"]) and (hi is None or t["L_hat"] <= hi)
+        # P_hat_paper: Eq. 3 with the paper's default ratios (1/4, 3.5, untied), written out here from the paper;
+        # SmolLM2 ties its embeddings and has d_ffn/d = 2.67, so even at the true L these ratios count 186.1 M (38 % too many)
         by_hand = 2 * 49152 * 576 + t["L_hat"] * (2 + 2 * 0.25 + 3 * 3.5) * 576**2 + (2 * t["L_hat"] + 1) * 576
-        assert t["P_hat"] == pytest.approx(by_hand, rel=1e-9) and t["vocab_size"] == 49152
+        assert t["P_hat_paper"] == pytest.approx(by_hand, rel=1e-9) and t["vocab_size"] == 49152
+        if cal["prefill"] is None:  # the references' prefill curves too noisy for a positive per-parameter cost
+            assert "P_hat" not in t and t["note"].startswith("no attacker-side P_hat"), t
+        else:  # the attacker-side P_hat: the midpoint of the tied and untied totals, inside its interval
+            tied, untied = t["P_tied_untied"]
+            assert untied - tied == 49152 * 576 and t["P_hat"] == pytest.approx((tied + untied) / 2)
+            assert (t["P_interval"][0] or 0) <= tied and untied <= (t["P_interval"][1] or np.inf)
     else:
         assert "P_hat" not in t and t["note"].startswith("L_hat <= 0"), t
     # every timed call was paid and journaled once: a rerun replays them all (nothing sent) and, with the transfer
@@ -849,6 +853,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     assert again["http"]["sent"] == 0 and again["timing"]["T"] == t["T"]
     assert again["timing"]["L_hat"] == pytest.approx(t["L_hat"] / 2, rel=1e-12)
     assert again["timing"]["L_hat_eq10"] == pytest.approx(t["L_hat_eq10"] / 2, rel=1e-12)
+    assert again["timing"]["rule"] == t["rule"]  # chosen from the references' errors and the signs, which k keeps
     timed = 2 + 4 + 6 * 4  # warm-ups, the ell = 1 baseline's 4 trials, 6 lengths x 4 trials
     assert again["cost"]["paper"]["calls"] == report["cost"]["paper"]["calls"] == 4 * 8 + 4 + timed
     # phase 2 is in the plan and its budget check: phase 1's 38 requests fit a calls cap of 45, its 30 timed calls

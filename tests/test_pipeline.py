@@ -172,7 +172,9 @@ def check_validation(project: Path) -> None:
     # the attacker-side P_ne_hat, or the reason there is none (the tiny references' prefill curves can be too flat
     # for a positive per-parameter cost: the calibration then says so instead of giving a number)
     explained = same.note_prefill.astype(str).str.contains("prefill calibration")
-    assert (same.L_hat_rule > 0).all() and (same.P_ne_hat.notna() | explained).all(), same
+    rule_L = np.where(same.rule == "basic", same.L_hat, same.L_hat_eq10)
+    rule_P_ne = np.where(same.rule == "basic", same.P_ne_hat_basic, same.P_ne_hat_eq10)
+    assert (rule_L > 0).all() and (pd.notna(rule_P_ne) | explained).all(), same
     for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
         assert cover["d_cases"] == 3 and cover["d"] == 1.0  # lower bounds below the truth
     # where the time went: one line per executed stage (per item), from papermill's record, and the total

@@ -1,4 +1,4 @@
-"""nv.validation's intervals on synthetic estimates (each estimator's split-conformal interval and their hull), and the
+"""nv.phase2.intervals on synthetic estimates (each estimator's split-conformal interval and their hull), and the
 validation figures (nv.plots.validation) checked by what they draw."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from nv.validation import _conformal, hull
+from nv.phase2.intervals import conformal, hull
 
 
 def test_conformal_half_width_is_the_largest_log_residual_and_infinite_without_a_fit():
     truths = np.array([10.0, 20.0, 30.0])
-    assert np.isclose(_conformal(np.array([11.0, 18.0, 30.0]), truths), np.log(20 / 18))  # not log(11 / 10)
-    assert _conformal(np.array([11.0, np.nan, 30.0]), truths) == np.inf  # a reference without a fit
-    assert _conformal(np.array([11.0]), truths[:1]) == np.inf  # one reference calibrates nothing
+    assert np.isclose(conformal(np.array([11.0, 18.0, 30.0]), truths), np.log(20 / 18))  # not log(11 / 10)
+    assert conformal(np.array([11.0, np.nan, 30.0]), truths) == np.inf  # a reference without a fit
+    assert conformal(np.array([11.0]), truths[:1]) == np.inf  # one reference calibrates nothing
 
 
 def test_hull_holds_both_estimators_intervals_and_skips_an_estimator_without_a_fit():

@@ -2,6 +2,8 @@
 the App. D timing protocol (random prefixes, warm-ups, K trials, trimmed means), checkpointed;
 ``fit``: the scaling relation and its fits (Eqs. 2-10: beta, alpha, gamma_g, k, L_hat; Eq. 3 P_hat; Eq. 11 the sweep's crossover);
 ``platforms``: the timed models on each platform (in-process torch, llama.cpp server); ``evaluation``:
-leave-one-out over every model and platform, the calibration file; ``live``: phase 2 on an endpoint; ``prefill``:
-the attacker-side P_hat from the prefill curve; ``probe``: the attention probe, L from calls that extend a cached
-context (our extension: attention time alone, free of the MLP width that biases Eq. 2's fit)."""
+leave-one-out over every model and platform; ``prefill``: the attacker-side P_hat from the prefill curve;
+``intervals``: the rule choosing between the two depth estimators and the calibrated 90 % intervals of L_hat and
+P_hat (our extension); ``live``: phase 2 on an endpoint and the calibration file it reads; ``probe``: the attention
+probe, L from calls that extend a cached context (our extension: attention time alone, free of the MLP width that
+biases Eq. 2's fit)."""

@@ -25,8 +25,6 @@ from nv.phase2.fit import (
     attention_regime,
     cross_platform_depth,
     depth_basic,
-    fit_gamma,
-    fit_scaling,
     relative_error,
     total_params,
 )
@@ -163,15 +161,3 @@ def _json(value):
     if isinstance(value, float | np.floating) and not np.isfinite(value):
         return None
     return value.item() if isinstance(value, np.generic) else value
-
-
-def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
-    """What a new target needs from phase 2's references (``outputs/timing_fit/calibration.json``):
-    beta, alpha of Eq. 2 and gamma^ref of Eq. 6 over every reference on the reference platform, and
-    the protocol (that platform's r and K, the sweep and fit settings) to time the target the same way."""
-    platform = next(iter(records))
-    refs = timings([r for r in records[platform] if r["role"] == "reference"], timing["discard"], "d")
-    beta, gamma = fit_scaling(refs.L, refs.d, refs.ell, refs.T, refs.sigma), fit_gamma(refs.d, refs.ell, refs.T, refs.sigma)
-    return {"platform": platform, "beta": beta.slope, "alpha": beta.intercept, "gamma_ref": gamma.slope,
-            **{k: timing["platforms"][platform][k] for k in ("r", "trials")},
-            **{k: timing[k] for k in ("warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")}}

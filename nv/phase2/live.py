@@ -1,55 +1,31 @@
-"""``nv attack --base-url ... --timing-calibration FILE``: phase 2 (§4.2) against a live endpoint.
+"""``nv attack --base-url ... --timing-calibration FILE``: phase 2 (§4.2) against a live endpoint, from the
+calibration file of ``nv.phase2.calibration``.
 
 The endpoint is timed with the App. D protocol of the calibration's reference platform (its r, K,
-warm-ups, trim, sweep and discard settings), on the sweep that d_hat and the default ratios give;
-L_hat from the basic estimator of §4.2 / Eq. 9 (the endpoint's timings solved for L in
-T = k beta L ell^2 d_hat + alpha, beta and alpha from the calibration) and L_hat_eq10 = gamma_g / (k beta)
-(Eq. 10), k being the platform transfer factor the user supplies (default 1: the endpoint is assumed to
-run on the reference platform; a provider's k needs references timed on its hardware, App. B.3.3). P_hat from Eq. 3 with the default ratios when
-the vocabulary size (or an upper bound) is given. Timed calls go through the oracle's journal, so an
-interrupted run resumes without paying for them again.
+warm-ups, trim, sweep and discard settings), on the sweep that d_hat and the default ratios give.
+Depth by both of the paper's estimators: the basic estimator of §4.2 / Eq. 9 (the endpoint's timings solved
+for L in T = k beta L ell^2 d_hat + alpha, beta and alpha from the calibration) and Eq. 10,
+gamma_g / (k beta), k being the platform transfer factor the user supplies (default 1: the endpoint is assumed
+to run on the reference platform; a provider's k needs references timed on its hardware, App. B.3.3). The
+headline L_hat, the attacker-side P_hat (from the prefill curve, no guess of the ratios) and their 90 %
+intervals are ``nv.phase2.intervals``'s, as in the validation, from the references' leave-one-out errors the
+calibration carries; P_hat by Eq. 3 with the default ratios (the paper's) beside it. Both need the
+vocabulary size (or an upper bound). Timed calls go through the oracle's journal, so an interrupted run
+resumes without paying for them again.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import numpy as np
 
-from nv.errors import NVError
 from nv.oracle.base import Oracle
-from nv.params import check_timing_protocol
-from nv.phase2.protocol import collect_timings, summarize
+from nv.phase2 import prefill
+from nv.phase2.calibration import ERROR_KEYS
 from nv.phase2.fit import attention_regime, depth_basic, fit_gamma, infer_depth, sweep_lengths, total_params
-
-CALIBRATION_KEYS = ("platform", "beta", "alpha", "r", "trials", "warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")
-
-
-def load_calibration(path: Path) -> dict:
-    """A ``calibration.json`` written by the timing_fit stage; one-line errors for anything else."""
-    try:
-        cal = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise NVError(f"timing calibration not found: {path} (run `dvc repro timing_fit`)") from None
-    except json.JSONDecodeError:
-        raise NVError(f"timing calibration {path} is not JSON") from None
-    missing = [k for k in CALIBRATION_KEYS if not isinstance(cal, dict) or k not in cal]
-    if missing:
-        raise NVError(f"timing calibration {path} lacks {missing}: use outputs/timing_fit/calibration.json")
-    bad = [k for k in ("beta", "alpha") if isinstance(cal[k], bool) or not isinstance(cal[k], (int, float)) or not math.isfinite(cal[k])]
-    if bad:
-        raise NVError(f"timing calibration {path}: {bad[0]} = {cal[bad[0]]!r} is not a finite number: "
-                      "use outputs/timing_fit/calibration.json")
-    # the protocol as params.yaml's timing section allows it, checked before phase 1 pays for anything
-    try:
-        check_timing_protocol({k: cal[k] for k in CALIBRATION_KEYS[3:]}, f"timing calibration {path}")
-    except NVError as exc:
-        raise NVError(f"{exc}: use outputs/timing_fit/calibration.json") from None
-    if not cal["beta"] > 0:
-        raise NVError(f"timing calibration {path} has beta = {cal['beta']}: its reference fit failed")
-    return cal
+from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates
+from nv.phase2.protocol import collect_timings, summarize
 
 
 def _sweep(cal: dict, d_hat: int, p_max: int) -> np.ndarray:
@@ -69,7 +45,8 @@ def timing_cost(cal: dict, d_hat: int | None, p_max: int) -> dict:
 
 def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: int, vocab_size: int | None,
                  seed: int, checkpoint: Path, progress: bool = True) -> dict:
-    """The report's phase-2 fields: L_hat (and P_hat) of the endpoint, or why there are none."""
+    """The report's phase-2 fields: the endpoint timed on the sweep of d_hat, and ``estimate``'s L_hat and P_hat,
+    or why there are none."""
     if d_hat is None:
         return {"timing": {"note": "no d_hat from phase 1 (spectrum not saturated): phase 2 needs one"}}
     lengths = _sweep(cal, d_hat, p_max)
@@ -79,18 +56,51 @@ def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: 
     rows = collect_timings(oracle, lengths, cal["trials"], cal["warmups"], seed, checkpoint,
                            {"calibration": cal["platform"], "d_hat": d_hat}, progress)
     stats = summarize(rows, cal["trim"])
-    ell, T, sigma = attention_regime(stats["ell"], stats["T"], stats["sigma"], cal["discard"])
-    gamma = fit_gamma(np.full(len(ell), float(d_hat)), ell, T, sigma)
-    L_hat = depth_basic(k * cal["beta"], cal["alpha"], d_hat, ell, T, sigma)
+    timed = {"lengths": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(), "trials": cal["trials"]}
+    return {"timing": timed | estimate(stats["ell"], stats["T"], stats["sigma"], d_hat, cal, k, vocab_size)}
+
+
+def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal: dict, k: float, vocab_size: int | None) -> dict:
+    """L_hat (the rule's) with both estimators beside it, P_hat (attacker-side, and Eq. 3 with the default ratios as
+    ``P_hat_paper``) and their 90 % intervals ([lo, hi], null for unbounded: ``_interval`` the hull of both
+    estimators', ``_interval_rule`` the rule's alone), from the endpoint's App. D summary (``ell``, ``T``,
+    ``sigma``); a ``note`` where an estimate is missing. The intervals hold on the calibration's platform; with
+    k != 1 they assume k exact. The prefill curve moves with the platform as the attention term does: b and c
+    scale by k, the fixed overhead a does not."""
+    ell_a, T_a, sigma_a = attention_regime(ell, T, sigma, cal["discard"])
+    gamma = fit_gamma(np.full(len(ell_a), float(d_hat)), ell_a, T_a, sigma_a)
+    L_hat = {"basic": depth_basic(k * cal["beta"], cal["alpha"], d_hat, ell_a, T_a, sigma_a),
+             "eq10": infer_depth(gamma.slope, cal["beta"], k)}
+    rule = choose_rule({name: _inf(cal[f"score_{name}"]) for name in ESTIMATORS}, {ESTIMATORS[n]: v for n, v in L_hat.items()})
+    fit = cal["prefill"]
+    curve = None if fit is None else prefill.PrefillCalibration(k * fit["b"], k * fit["c"], fit["a"])
+    P_ne_hat = {name: prefill.non_embedding_hat(curve, ell, T, sigma, d_hat, L) if curve is not None and L > 0 else np.nan
+                for name, L in L_hat.items()}
+    q = {key: _inf(cal[key]) for key in ERROR_KEYS if not key.startswith("score")}
+    est = {key: float(v) for key, v in estimates(L_hat, P_ne_hat, q, rule, d_hat, vocab_size or np.nan).items()}
     out = {"calibration_platform": cal["platform"], "beta": cal["beta"], "alpha": cal["alpha"], "k": k, "gamma_g": gamma.slope,
-           "d_hat": d_hat, "lengths": stats["ell"].tolist(), "T": stats["T"].tolist(), "sigma": stats["sigma"].tolist(),
-           "trials": cal["trials"], "L_hat": L_hat, "L_hat_rounded": max(1, round(L_hat)),
-           "L_hat_eq10": infer_depth(gamma.slope, cal["beta"], k)}
-    if L_hat > 0 and vocab_size:
-        out["P_hat"] = total_params(d_hat, L_hat, vocab_size, cal["kv_ratio"], cal["ffn_ratio"])
-        out["vocab_size"] = vocab_size
-    elif L_hat <= 0:
-        out["note"] = "L_hat <= 0: the endpoint's latency does not grow with ell^2 d_hat (noise or a prefix cache)"
-    else:
-        out["note"] = "no --vocab-size given: P_hat needs |V| or an upper bound (Eq. 3)"
-    return {"timing": out}
+           "d_hat": d_hat, "rule": rule, "L_hat": est["L_hat"], "L_interval": _interval(est, "L"),
+           "L_interval_rule": _interval(est, "L", "_rule"), "L_hat_basic": L_hat["basic"], "L_hat_eq10": L_hat["eq10"]}
+    if not est["L_hat"] > 0:
+        return out | {"note": "L_hat <= 0 by both estimators: the endpoint's latency does not grow with ell^2 d_hat "
+                              "(noise or a prefix cache)"}
+    out["L_hat_rounded"] = max(1, round(est["L_hat"]))
+    if not vocab_size:
+        return out | {"note": "no --vocab-size given: P_hat needs |V| or an upper bound (Eq. 3)"}
+    out |= {"vocab_size": vocab_size, "P_hat_paper": total_params(d_hat, est["L_hat"], vocab_size, cal["kv_ratio"], cal["ffn_ratio"])}
+    if not np.isfinite(est["P_hat"]):
+        return out | {"note": "no attacker-side P_hat: the calibration's prefill fit failed (P_hat_paper: Eq. 3 with "
+                              "the default ratios, only)"}
+    tied, untied, _ = prefill.param_range(P_ne_hat[rule], d_hat, vocab_size)
+    return out | {"P_hat": est["P_hat"], "P_tied_untied": [tied, untied], "P_interval": _interval(est, "P"),
+                  "P_interval_rule": _interval(est, "P", "_rule")}
+
+
+def _inf(value: float | None) -> float:
+    """A calibration's null (an infinite half-width or score) as inf."""
+    return np.inf if value is None else float(value)
+
+
+def _interval(est: dict, what: str, suffix: str = "") -> list:
+    """[lo, hi] of ``estimates``' output for the report; an unbounded end (inf) as null."""
+    return [v if np.isfinite(v) else None for v in (est[f"{what}_lo{suffix}"], est[f"{what}_hi{suffix}"])]

@@ -1,0 +1,111 @@
+"""The depth rule and the calibrated 90 % intervals of L_hat and P_hat (issue 13; not in the paper).
+
+Two depth estimators, both the paper's (``nv.phase2.evaluation.held_out``): the basic estimator of §4.2 and
+Eq. 10. The rule (``choose_rule``) takes the one with the smaller median leave-one-out error over the
+calibration's own references, among those that give the target a depth: what the attacker can decide from the
+data it has. P_ne_hat follows from each depth by the prefill curve (``nv.phase2.prefill``).
+
+Intervals: each estimator's split-conformal interval x exp(+-q), q the largest leave-one-out |log(x / truth)| of
+the n references (``conformal``; level n / (n + 1) for a target exchangeable with them). A target of another
+family moves the two estimators apart, so the headline interval is the ``hull`` of both estimators' intervals, and
+the rule's estimator's alone is kept beside it (``_rule``). ``estimates`` applies both to arrays of cases (the
+validation) or to one target (the live attack); P spans the tied and untied totals, tying being invisible in time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from nv.errors import NVError
+from nv.phase2 import prefill
+from nv.phase2.evaluation import held_out
+
+ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
+
+
+def conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
+    """The largest leave-one-out |log(estimate / truth)| of the n calibration models: an interval of this half-width
+    covers a new exchangeable model with probability n / (n + 1) (split conformal; 86-88 % for 6-7 models, the
+    closest this family size comes to 90 %). A model without a fit counts as an infinite residual."""
+    ok = np.isfinite(estimates) & (estimates > 0)
+    return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.all() and len(ok) >= 2 else np.inf
+
+
+def hull(estimates: list, q: list) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest interval holding each estimator's conformal interval [x exp(-q_x), x exp(q_x)] (arrays over cases;
+    an estimator without a positive estimate is left out; none: NaN; an infinite q_x: [0, inf])."""
+    x = np.asarray(estimates, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    q = np.broadcast_to(q.reshape(q.shape + (1,) * (x.ndim - q.ndim)), x.shape)  # one q per estimator, or per case
+    ok = np.isfinite(x) & (x > 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lo = np.where(ok, x * np.exp(-q), np.inf).min(axis=0)
+        hi = np.where(ok, x * np.exp(q), -np.inf).max(axis=0)
+    none = ~ok.any(axis=0)
+    return np.where(none, np.nan, lo), np.where(none, np.nan, hi)
+
+
+def held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
+    """``held_out`` for record ``g`` on its platform plus the attacker-side P_ne_hat of both depth estimators, the
+    prefill curve calibrated on the other references of g's platform."""
+    reference = next(iter(recs))
+    row = held_out(recs[reference], recs[g["platform"]], g, timing, "d_used") | {"P_ne_true": prefill.non_embedding_params(g)}
+    refs = [r for r in recs[g["platform"]] if r["role"] == "reference" and r["model"] != g["model"]]
+    try:
+        cal = prefill.calibrate(refs)
+    except NVError as exc:  # no attacker-side P_ne_hat: reported, not fatal
+        return row | {"note_prefill": str(exc)}
+    for name, key in ESTIMATORS.items():
+        L_hat = row.get(key, np.nan)
+        if np.isfinite(L_hat) and L_hat > 0:
+            row[f"P_ne_hat_{name}"] = prefill.non_embedding_hat(cal, g["ell"], g["T"], g["sigma"], g["d_used"], L_hat)
+    return row
+
+
+def reference_errors(rows: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """From the references' ``held_out_all`` rows (each held out in turn: the attacker's error estimate), per
+    estimator: the rule's score (median |L_hat / L - 1|; inf without a fit) and the conformal half-widths
+    ``q_L_<name>``, ``q_P_<name>`` of L and P_ne."""
+    table = pd.DataFrame(rows)
+
+    def column(name: str) -> np.ndarray:
+        return table.get(name, pd.Series(np.nan, index=table.index)).to_numpy(float)
+
+    scores, q = {}, {}
+    for name, key in ESTIMATORS.items():
+        err = np.abs(column(key) / column("L_true") - 1)
+        scores[name] = float(np.nanmedian(err)) if np.isfinite(err).any() else np.inf
+        q[f"q_L_{name}"] = conformal(column(key), column("L_true"))
+        q[f"q_P_{name}"] = conformal(column(f"P_ne_hat_{name}"), column("P_ne_true"))
+    return scores, q
+
+
+def choose_rule(scores: dict[str, float], row: dict) -> str:
+    """The rule's estimator: the smallest median leave-one-out error over the references (``scores``) among those
+    that give the target a depth (``row``: its ``L_hat``, ``L_hat_eq10``); the first by score when none does. An
+    estimator whose fit on the target is not positive (noted) yields to the other, as an attacker would."""
+    order = sorted(scores, key=scores.get)
+    return next((name for name in order if row.get(ESTIMATORS[name], np.nan) > 0), order[0])
+
+
+def estimates(L_hat: dict, P_ne_hat: dict, q: dict, rule, d_hat, V) -> dict[str, np.ndarray]:
+    """The headline L_hat and P_hat (the rule's estimator's) with their 90 % intervals: ``L_lo``/``L_hi`` and
+    ``P_lo``/``P_hi`` the hull of both estimators', ``..._rule`` the rule's alone. ``L_hat``, ``P_ne_hat``: per
+    estimator name, arrays over cases (or scalars); ``q``: ``reference_errors``'s half-widths; ``rule``: the
+    estimator name per case. P_hat is the midpoint of the tied and untied totals (``prefill.param_range``)."""
+    rule = np.asarray(rule)
+
+    def pick(values: dict) -> np.ndarray:
+        return np.select([rule == name for name in ESTIMATORS], [np.asarray(values[name], np.float64) for name in ESTIMATORS], np.nan)
+
+    q_L, q_P = ({name: q[f"q_{w}_{name}"] for name in ESTIMATORS} for w in ("L", "P"))
+    L, P_ne, qL, qP = pick(L_hat), pick(P_ne_hat), pick(q_L), pick(q_P)
+    out = {"L_hat": L, "L_lo_rule": L * np.exp(-qL), "L_hi_rule": L * np.exp(qL)}
+    out["L_lo"], out["L_hi"] = hull([L_hat[name] for name in ESTIMATORS], list(q_L.values()))
+    out["P_hat"] = prefill.param_range(P_ne, d_hat, V)[2]
+    out["P_lo_rule"] = prefill.param_range(P_ne * np.exp(-qP), d_hat, V)[0]
+    out["P_hi_rule"] = prefill.param_range(P_ne * np.exp(qP), d_hat, V)[1]
+    P_ne_lo, P_ne_hi = hull([P_ne_hat[name] for name in ESTIMATORS], list(q_P.values()))
+    out["P_lo"], out["P_hi"] = prefill.param_range(P_ne_lo, d_hat, V)[0], prefill.param_range(P_ne_hi, d_hat, V)[1]
+    return out
