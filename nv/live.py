@@ -28,8 +28,9 @@ REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns"
 # every paid reply, and the journal's cost stays everything paid through it
 UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
 # a paid reply in the journal: bytes of its line on disk, and of memory at the peak, a resumed run loading the journal
-# (measured on 2·10^5 one-sample replies: 650 bytes each held while it runs, 870 while a resume loads them)
-JOURNAL_BYTES = {"disk": 126, "memory": 870}
+# (benchmarks/bench_journal_memory.py, 2·10^5 one-sample replies: 232 bytes each held while it runs, 259 while a
+# resume loads them)
+JOURNAL_BYTES = {"disk": 133, "memory": 260}
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:
@@ -301,7 +302,6 @@ def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -
     from nv.phase1.sweep import d_interval
 
     billed = oracle.provider_cost
-    unidentified = sum(key is None for r in oracle.journal.responses.values() for key, _, _ in r.get("c", []))
     sad, peak = record["i_sad"], record["i_peak"]
     lo, hi = d_interval(record["d_hat_raw"], record["lower_bound"])
     return {
@@ -318,6 +318,6 @@ def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -
             "money": oracle.budget.money_of(billed.tokens),
             "caps": {"tokens": oracle.budget.tokens, "calls": oracle.budget.calls, "money": oracle.budget.money},
         },
-        "unidentified_tokens": unidentified,
+        "unidentified_tokens": oracle.journal.unidentified,
         "http": dict(oracle.stats),
     }

@@ -191,16 +191,18 @@ SCHEMA: dict[str, dict] = {
     "defence": {
         "round_decimals": _opt((int,), lambda v: v >= 0, "an int >= 0"),
         "round_format": _opt((str,), lambda v: v in ("fp16", "bf16", "fp8_e4m3"), "one of ('fp16', 'bf16', 'fp8_e4m3')"),
-        "noise_sigma": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        # a setting that defends nothing (noise 0, top_p 1, min_p 0, no delay, buckets of 1 token) is refused: a
+        # provider reading "the attack survives" must have switched something on; null switches a knob off
+        "noise_sigma": _opt((int, float), lambda v: 0 < v < math.inf, "a finite number > 0 (0 defends nothing)"),
         "min_logprob": _opt((int, float), lambda v: v <= 0, "a number <= 0"),
         "max_temperature": _opt((int, float), lambda v: v > 0, "a number > 0"),
         "top_k": _opt((int,), lambda v: v >= 1, "an int >= 1"),
-        "top_p": _opt((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "min_p": _opt((int, float), lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        "top_p": _opt((int, float), lambda v: 0 < v < 1, "a number in (0, 1) (1 defends nothing)"),
+        "min_p": _opt((int, float), lambda v: 0 < v <= 1, "a number in (0, 1] (0 defends nothing)"),
         "latency_quantum_ms": _opt((int, float), lambda v: 0 < v < math.inf, "a finite number > 0"),
-        "delay_uniform_ms": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-        "delay_exp_ms": _opt((int, float), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-        "pad_to_tokens": _opt((int,), lambda v: v >= 1, "an int >= 1"),
+        "delay_uniform_ms": _opt((int, float), lambda v: 0 < v < math.inf, "a finite number > 0 (0 defends nothing)"),
+        "delay_exp_ms": _opt((int, float), lambda v: 0 < v < math.inf, "a finite number > 0 (0 defends nothing)"),
+        "pad_to_tokens": _opt((int,), lambda v: v >= 2, "an int >= 2 (1 defends nothing)"),
     },
     # the defences stage (nv.defences): knobs swept one at a time, each a list of defence-section values
     "defences": {

@@ -312,7 +312,7 @@ def test_a_defence_the_backend_cannot_honour_is_refused_in_one_line():
 def test_the_shipped_defence_section_is_all_off_and_bad_values_are_one_line_errors(root):
     section = yaml.safe_load((root / "params.yaml").read_text())["defence"]
     assert not Defence(**check_section("defence", section)).active
-    for key, value, message in [("noise_sigma", -0.1, ">= 0"), ("top_p", 0.0, r"\(0, 1\]"), ("top_p", 1.5, r"\(0, 1\]"),
+    for key, value, message in [("noise_sigma", -0.1, "> 0"), ("top_p", 0.0, r"\(0, 1\)"), ("top_p", 1.5, r"\(0, 1\)"),
                                 ("round_format", "fp4", "one of"), ("top_k", 2.5, "int"), ("round_decimals", True, "bool"),
                                 ("latency_quantum_ms", 0, "> 0"), ("min_p", "a", "float"),
                                 ("noise_sigma", float("inf"), "finite"), ("delay_exp_ms", float("inf"), "finite")]:
@@ -329,7 +329,11 @@ ATTACK = ["attack", "--simulate", "embedded"]
 def test_bad_defence_flags_are_one_line_errors_with_exit_2(root, tmp_path, capsys):
     params = write_tiny_params(root, tmp_path)
     for flag, message in [("jitter=1", "unknown --defence key 'jitter'"), ("top_p", "KEY=VALUE"),
-                          ("top_p=2", "'defence.top_p' must be null or a number in (0, 1]")]:
+                          ("top_p=2", "'defence.top_p' must be null or a number in (0, 1) (1 defends nothing)"),
+                          # a setting that switches nothing on: the run would report an undefended attack as defended
+                          ("top_p=1", "'defence.top_p' must be null or a number in (0, 1) (1 defends nothing), got 1"),
+                          ("noise_sigma=0", "'defence.noise_sigma' must be null or a finite number > 0 (0 defends nothing)"),
+                          ("min_p=0", "(0 defends nothing), got 0")]:
         assert main(ATTACK + ["--params", str(params), "--out", str(tmp_path / "o"), "--defence", flag]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and message in err, err

@@ -558,7 +558,7 @@ class HTTPOracle(Oracle):
         binary search. A request lost in flight at a kill -9 leaves a gap: the count is then off by the few requests
         around it, either way; the in-flight cap still holds the budget."""
         def paid(i: int) -> bool:
-            return self.journal.get(request_key(body(i))) is not None
+            return request_key(body(i)) in self.journal
 
         if total == 0 or not paid(0):
             return 0

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from nv.errors import NVError
@@ -32,6 +33,16 @@ log = logging.getLogger(__name__)
 _RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or use a new --journal path)"
 MAGIC = "nightvision-journal"
 VERSION = 1
+
+
+def _compact(key: str) -> bytes:
+    """A request key as held in memory: the 32 bytes of ``request_key``'s hex digest (any other key: its UTF-8)."""
+    if len(key) == 64:
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            pass
+    return key.encode()
 
 
 def canonical(obj) -> str:
@@ -77,9 +88,9 @@ def _valid_record(d) -> bool:
 class Journal:
     """Paid responses keyed by request identity, plus the token -> column map.
 
-    ``path=None`` keeps everything in memory (nothing survives the process). ``responses`` maps
-    request keys to the stored records (dicts with ``p`` prompt tokens and ``o`` output tokens as
-    the server's usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
+    ``path=None`` keeps everything in memory (nothing survives the process). ``get`` gives the stored
+    record of a request key (a dict with ``p`` prompt tokens and ``o`` output tokens as the server's
+    usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
     """
 
     def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = (), readonly: bool = False) -> None:
@@ -89,10 +100,11 @@ class Journal:
         self.readonly = readonly
         self.binding = json.loads(canonical(binding))
         self.unbound = unbound  # binding paths a resumed attack may change (how many requests, not what they ask)
-        self.responses: dict[str, dict] = {}
+        self._replies: dict[bytes, bytes] = {}  # _remember's compact form
         self.columns: dict[str, int] = {}
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.unidentified = 0  # sampled tokens the endpoint named no token for, over every reply
         self._fd: int | None = None
         if self.path is not None:
             self._open()
@@ -123,22 +135,30 @@ class Journal:
         self._read()
 
     def _read(self) -> None:
-        entries = self._read_entries()
-        if len(entries) == 1 and entries[0].get("binding") != self.binding:
+        """Load every paid reply, line by line: the header's binding is checked before the first reply is loaded,
+        and nothing but the compact form of each reply is kept (``_remember``)."""
+        header, loaded = None, 0
+        for line, entry in self._entries():
+            if line == 1:
+                header = entry
+                continue
+            if not loaded:
+                self._check_binding(header)
+            self._load(entry, line)
+            loaded += 1
+        if not loaded and header is not None and header.get("binding") != self.binding:
             # a header and nothing paid under it (a first run that failed its set-up checks): nothing to lose, so the
             # corrected command reuses the file instead of being refused
             if self.readonly:
                 return
             log.info("journal %s: no reply was paid under its binding; reused for this attack", self.path)
             os.ftruncate(self._fd, 0)
-            entries = []
-        if not entries:
-            if self.readonly:
-                return
+            header = None
+        if header is None and not self.readonly:
             self._append({"journal": MAGIC, "version": VERSION, "binding": self.binding})
             self.sync()
-            return
-        header = entries[0]
+
+    def _check_binding(self, header: dict) -> None:
         diff = _first_difference(header.get("binding"), self.binding, self.unbound)
         if diff:
             self.close()
@@ -146,14 +166,14 @@ class Journal:
         if header.get("binding") != self.binding:
             log.info("journal %s: the same attack with %s: its paid replies are reused", self.path,
                      _first_difference(header.get("binding"), self.binding))
-        for n, entry in enumerate(entries[1:], start=2):
-            self._load(entry, n)
 
-    def _read_entries(self) -> list[dict]:
-        """Every whole line, read line by line (never in one read: Linux returns at most 2 GiB per read, and a
-        journal cut short there would pass for a torn last line and be truncated, its paid replies lost)."""
+    def _entries(self) -> Iterator[tuple[int, dict]]:
+        """Every whole line as (line number, entry), read line by line (never in one read: Linux returns at most
+        2 GiB per read, and a journal cut short there would pass for a torn last line and be truncated, its paid
+        replies lost). Once every line is read, a torn last line is dropped and the file truncated to the whole
+        lines before it."""
         size = os.fstat(self._fd).st_size
-        entries, whole, tail = [], 0, b""  # tail: an unparsable last line, or bytes after the last newline
+        whole, tail = 0, b""  # tail: an unparsable last line, or bytes after the last newline
         with open(self.path, "rb") as f:
             for i, line in enumerate(f):
                 if tail:  # the unparsable line was not the last one
@@ -170,22 +190,23 @@ class Journal:
                 except ValueError:
                     tail = line
                     continue
-                entries.append(entry)
+                if i == 0 and (entry.get("journal") != MAGIC or entry.get("version") != VERSION):
+                    self.close()  # before anything is truncated: someone else's file stays as it was
+                    raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
                 whole += len(line)
+                yield i + 1, entry
         if whole + len(tail) != size and not self.readonly:  # read-only: the attack beside it may be appending
             self.close()
             raise NVError(f"journal {self.path} changed size while it was read ({size} bytes, then {whole + len(tail)}): "
                           "is another program writing it?")
         start = b'{"binding":'  # how a header (canonical: sorted keys) begins
-        if (entries and (entries[0].get("journal") != MAGIC or entries[0].get("version") != VERSION)) or (
-                not entries and tail and not (tail.startswith(start) or start.startswith(tail))):  # no header, nor a torn one
-            self.close()  # before anything is truncated: someone else's file stays as it was
+        if not whole and tail and not (tail.startswith(start) or start.startswith(tail)):  # no header, nor a torn one
+            self.close()
             raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
         if tail and not self.readonly:
             log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))
             os.ftruncate(self._fd, whole)
             os.fsync(self._fd)
-        return entries
 
     def _load(self, entry: dict, line: int) -> None:
         if isinstance(entry.get("r"), str) and _valid_record(entry.get("d")):
@@ -198,9 +219,11 @@ class Journal:
                           f"be trusted {_RECOVER.format(keep=line - 1)}")
 
     def _remember(self, key: str, record: dict) -> None:
-        self.responses[key] = record
+        """Hold a reply compactly (a third of the memory of its dict): the key's digest bytes, the record's JSON."""
+        self._replies[_compact(key)] = canonical(record).encode()
         self.prompt_tokens += int(record.get("p", 0))
         self.output_tokens += int(record.get("o", 0))
+        self.unidentified += sum(c[0] is None for c in record.get("c", ()))
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -212,7 +235,12 @@ class Journal:
             data = data[os.write(self._fd, data) :]
 
     def get(self, key: str) -> dict | None:
-        return self.responses.get(key)
+        """The paid reply to request ``key``, or None."""
+        raw = self._replies.get(_compact(key))
+        return None if raw is None else json.loads(raw)
+
+    def __contains__(self, key: str) -> bool:
+        return _compact(key) in self._replies
 
     def put(self, key: str, record: dict) -> None:
         """Append one paid response (written at once; durable at the next ``sync``)."""
@@ -237,4 +265,4 @@ class Journal:
 
     @property
     def requests(self) -> int:
-        return len(self.responses)
+        return len(self._replies)

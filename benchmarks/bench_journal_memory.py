@@ -1,0 +1,78 @@
+"""Memory and disk per paid reply of the live attack's journal (``nv.oracle.journal``), the figures the dry run
+prints (``nv.live.JOURNAL_BYTES``): the journal holds every paid reply while the attack runs, so its bytes per
+reply set how many requests an auditor's machine can afford.
+
+Replies shaped like a sampling call's: one sampled token (a token key of a typical token's length and its
+log-prob, no alternatives), prompt and output tokens; keyed by ``request_key`` of a request body. Measured:
+disk bytes per reply; resident bytes per reply held after writing them (the attack's steady state) and the peak
+while a resume reads them back, each above the resident set before. Each is printed beside the dry run's figure,
+MET when within it (machines are noisy); a wrong result (a reply read back other than it was written, a reply
+missing) exits with status 1. Run: python benchmarks/bench_journal_memory.py [--replies 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from _common import GIB, peak_rss, reset_peak_rss, verdict
+from nv.live import JOURNAL_BYTES
+from nv.oracle.journal import Journal, request_key
+
+
+def rss() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS")) / GIB
+
+
+def reply(i: int, rng: np.random.Generator) -> tuple[str, dict]:
+    body = {"model": "m", "prompt": f"prompt {i % 3000}", "seed": i, "max_tokens": 1, "logprobs": 1}
+    token = "s:" + "".join(rng.choice(list("abcdefghij"), size=5))
+    return request_key(body), {"c": [[token, float(np.float32(-rng.exponential(3.0))), []]], "p": 40, "o": 1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replies", type=int, default=200_000)
+    n = ap.parse_args().replies
+    rng = np.random.default_rng(0)
+    wrong = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "journal.jsonl"
+        sample = {}
+        gc.collect()
+        before = rss()
+        j = Journal(path, {"b": 1})
+        for i in range(n):
+            key, record = reply(i, rng)
+            j.put(key, record)
+            if i % 9973 == 0:
+                sample[key] = record
+        j.sync()
+        gc.collect()
+        held = (rss() - before) * GIB / n
+        j.close()
+        disk = path.stat().st_size / n
+        del j
+        gc.collect()
+        before = rss()
+        reset_peak_rss()
+        again = Journal(path, {"b": 1})
+        loading = (peak_rss() - before) * GIB / n
+        if again.requests != n:
+            wrong.append(f"{again.requests} replies read back of {n}")
+        wrong += [f"reply {k[:12]} read back as {again.get(k)}" for k, r in sample.items() if again.get(k) != r]
+        again.close()
+    print(f"journal of {n:,} replies: {disk:.0f} bytes per reply on disk (dry run: {JOURNAL_BYTES['disk']}), "
+          f"{held:.0f} held while the attack runs, {loading:.0f} at the peak of a resume's read "
+          f"(dry run: {JOURNAL_BYTES['memory']}): {'MET' if max(held, loading) <= JOURNAL_BYTES['memory'] * 1.1 else 'MISSED'}")
+    return verdict(wrong)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
