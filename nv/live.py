@@ -162,7 +162,7 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
         f"  time              {_duration(p['minutes_at_rate_limits'], live)}\n"
         f"  journal           ~{_size(p['journal_bytes']['disk'])} on disk, ~{_size(p['journal_bytes']['memory'])} of memory "
-        "while the attack runs (every paid reply is held; README, Live endpoint)\n"
+        "while the attack runs (every paid reply is held; the figures of one-sample replies: README, Live endpoint)\n"
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)

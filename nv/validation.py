@@ -94,8 +94,9 @@ def _setup(records: dict[str, list[dict]], g: dict, setup: str) -> dict[str, lis
 
 
 def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
-    """Every real model x setup x platform x K' (the first K' trials per length): L_hat by both estimators
-    and the rule, P_ne_hat, and the 90 % residual quantiles of the same calibration's references."""
+    """Every real model x setup x platform x K' (the first K' trials per length): L_hat and P_ne_hat by both depth
+    estimators, the rule's choice, and the same calibration's references' median errors and conformal half-widths
+    (``nv.phase2.intervals.reference_errors``)."""
     rows = []
     targets = [r for recs in records.values() for r in recs if r["role"] == "target"]
     for g in targets:

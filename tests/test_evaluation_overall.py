@@ -1,5 +1,6 @@
-"""Phase 2 evaluation (nv.phase2.evaluation: Eq. 10 path, P_hat of Eq. 3, the calibration file the live attack
-reads) and the overall results (nv.overall), on timing records built from known truths.
+"""Phase 2 evaluation (nv.phase2.evaluation: Eq. 10 path, P_hat of Eq. 3; nv.phase2.prefill, the attacker-side
+P_hat; nv.phase2.calibration, the file the live attack reads, and nv.phase2.live.estimate, what it reports) and the
+overall results (nv.overall), on timing records built from known truths.
 
 Every record here is what ``nv.phase2.platforms.time_model`` writes (raw trials per length, summarized by the
 real ``nv.phase2.protocol.summarize``), with latencies from Eq. 2 for a chosen beta, alpha, L, d (the prefill
@@ -176,6 +177,31 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
             load_calibration(path)
 
 
+def test_the_prefill_curve_recovers_the_non_embedding_parameters_without_the_ratios():
+    """nv.phase2.prefill on timings T = b L d ell^2 + c P_ne ell + a (the references of FAMILY, whose MLPs are 3 d
+    wide): the calibration is b, c, a; a target of another shape (SmolLM2: tied, d_ffn = 2.67 d, 9 / 3 heads) gets
+    its own P_ne back from its timings at its true depth with no guess of its ratios. A depth off by dL moves it by
+    exactly the attention term it subtracts, b d dL sum(ell^3) / (c sum(ell^2)) (equal weights here): one to one
+    in relative terms where attention is as slow as the rest (here, with the crossover at the sweep's middle, a
+    10 % deeper L_hat reads P_ne 11 % low); P_hat's range spans the tied and untied totals."""
+    C = 1e-12  # s per non-embedding parameter per token: the target's crossover (attention = the rest) at ell ~ 2,900
+    refs = [record(n, "reference", L, d, "inprocess", c=C) for n, L, d in FAMILY]
+    fit = prefill.calibrate(refs)
+    assert (fit.b, fit.c, fit.a) == pytest.approx((BETA, C, ALPHA), rel=1e-6)
+    target = record("smollm2", "target", 30, 576, "inprocess", facts=SMOL, c=C)
+    P_ne = prefill.non_embedding_params(target)
+    assert P_ne == SMOL["P"] - 49152 * 576 - 576  # tied: one embedding, and the final norm
+    ell, T, sigma = (np.array(target[k]) for k in ("ell", "T", "sigma"))
+    assert prefill.non_embedding_hat(fit, ell, T, sigma, 576, 30) == pytest.approx(P_ne, rel=1e-6)
+    shift = BETA * 576 * 3 * np.sum(ell.astype(float) ** 3) / np.sum(ell.astype(float) ** 2) / C
+    deeper = prefill.non_embedding_hat(fit, ell, T, sigma, 576, 33)
+    assert deeper == pytest.approx(P_ne - shift, rel=1e-6) and -0.13 < deeper / P_ne - 1 < -0.09
+    tied, untied, mid = prefill.param_range(P_ne, 576, 49152)
+    assert tied == SMOL["P"] and untied == SMOL["P"] + 49152 * 576 and mid == (tied + untied) / 2
+    with pytest.raises(NVError, match="at least two reference models"):
+        prefill.calibrate(refs[:1])
+
+
 def test_the_live_attack_reads_a_target_as_the_validation_does():
     """Timings with the prefill curve's linear term (a per-parameter cost, nv.phase2.prefill), which Eq. 2 leaves
     out: the calibration file carries the curve's b, c, a and, from its references each held out in turn, the
@@ -229,6 +255,14 @@ def test_the_live_attack_reads_a_target_as_the_validation_does():
     blind = live.estimate(ell, T, sigma, 576, {**cal, **{k: None for k in ("q_L_basic", "q_L_eq10", "q_P_basic", "q_P_eq10")}}, 1.0, 49152)
     assert blind["L_interval"] == [0.0, None] and blind["L_hat"] == out["L_hat"]
     json.dumps(blind, allow_nan=False)  # the report is strict JSON
+    # a prefill curve that leaves no positive P_ne (timings 50x faster than the calibration's platform, read with
+    # k = 1: the attention term of L_hat takes all the time), or a latency that falls with ell (T - alpha = -prefill):
+    # a note, not a number
+    fast = live.estimate(ell, 0.02 * T, sigma, 576, cal, 1.0, 49152)
+    assert "P_hat" not in fast and "P_interval" not in fast and "no positive P_ne" in fast["note"], fast
+    falling = live.estimate(ell, 2 * cal["alpha"] - T, sigma, 576, cal, 1.0, 49152)
+    assert falling["note"].startswith("L_hat <= 0 by both estimators") and "L_interval" not in falling
+    assert "P_hat_paper" not in falling
 
 
 # -- nv.overall --------------------------------------------------------------------------------------

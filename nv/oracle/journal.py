@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,17 +33,14 @@ log = logging.getLogger(__name__)
 # what to do about a bad line: the lines above it are whole (each was fsync'ed before its reply was used)
 _RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or use a new --journal path)"
 MAGIC = "nightvision-journal"
+_DIGEST = re.compile("[0-9a-f]{64}")
 VERSION = 1
 
 
-def _compact(key: str) -> bytes:
-    """A request key as held in memory: the 32 bytes of ``request_key``'s hex digest (any other key: its UTF-8)."""
-    if len(key) == 64:
-        try:
-            return bytes.fromhex(key)
-        except ValueError:
-            pass
-    return key.encode()
+def _compact(key: str) -> bytes | str:
+    """A request key as held in memory: the 32 bytes of a ``request_key`` (a lowercase SHA-256 hex digest); any other
+    key as it is (a str never equals bytes, so the two kinds cannot collide)."""
+    return bytes.fromhex(key) if _DIGEST.fullmatch(key) else key
 
 
 def canonical(obj) -> str:
@@ -100,7 +98,7 @@ class Journal:
         self.readonly = readonly
         self.binding = json.loads(canonical(binding))
         self.unbound = unbound  # binding paths a resumed attack may change (how many requests, not what they ask)
-        self._replies: dict[bytes, bytes] = {}  # _remember's compact form
+        self._replies: dict[bytes | str, bytes] = {}  # _remember's compact form
         self.columns: dict[str, int] = {}
         self.prompt_tokens = 0
         self.output_tokens = 0

@@ -79,18 +79,19 @@ def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal:
     q = {key: _inf(cal[key]) for key in ERROR_KEYS if not key.startswith("score")}
     est = {key: float(v) for key, v in estimates(L_hat, P_ne_hat, q, rule, d_hat, vocab_size or np.nan).items()}
     out = {"calibration_platform": cal["platform"], "beta": cal["beta"], "alpha": cal["alpha"], "k": k, "gamma_g": gamma.slope,
-           "d_hat": d_hat, "rule": rule, "L_hat": est["L_hat"], "L_interval": _interval(est, "L"),
-           "L_interval_rule": _interval(est, "L", "_rule"), "L_hat_basic": L_hat["basic"], "L_hat_eq10": L_hat["eq10"]}
+           "d_hat": d_hat, "rule": rule, "L_hat": est["L_hat"], "L_hat_basic": L_hat["basic"], "L_hat_eq10": L_hat["eq10"]}
     if not est["L_hat"] > 0:
         return out | {"note": "L_hat <= 0 by both estimators: the endpoint's latency does not grow with ell^2 d_hat "
                               "(noise or a prefix cache)"}
-    out["L_hat_rounded"] = max(1, round(est["L_hat"]))
+    out |= {"L_hat_rounded": max(1, round(est["L_hat"])), "L_interval": _interval(est, "L"),
+            "L_interval_rule": _interval(est, "L", "_rule")}
     if not vocab_size:
         return out | {"note": "no --vocab-size given: P_hat needs |V| or an upper bound (Eq. 3)"}
     out |= {"vocab_size": vocab_size, "P_hat_paper": total_params(d_hat, est["L_hat"], vocab_size, cal["kv_ratio"], cal["ffn_ratio"])}
-    if not np.isfinite(est["P_hat"]):
-        return out | {"note": "no attacker-side P_hat: the calibration's prefill fit failed (P_hat_paper: Eq. 3 with "
-                              "the default ratios, only)"}
+    if curve is None or not np.isfinite(est["P_hat"]):
+        why = ("the calibration's prefill fit failed" if curve is None else
+               f"the prefill curve leaves no positive P_ne at L_hat = {est['L_hat']:.3g} (too deep for the sweep's time, or noise)")
+        return out | {"note": f"no attacker-side P_hat: {why} (P_hat_paper: Eq. 3 with the default ratios, only)"}
     tied, untied, _ = prefill.param_range(P_ne_hat[rule], d_hat, vocab_size)
     return out | {"P_hat": est["P_hat"], "P_tied_untied": [tied, untied], "P_interval": _interval(est, "P"),
                   "P_interval_rule": _interval(est, "P", "_rule")}
@@ -102,5 +103,5 @@ def _inf(value: float | None) -> float:
 
 
 def _interval(est: dict, what: str, suffix: str = "") -> list:
-    """[lo, hi] of ``estimates``' output for the report; an unbounded end (inf) as null."""
+    """[lo, hi] of ``estimates``' output for the report (an estimate that has one); an unbounded end (inf) as null."""
     return [v if np.isfinite(v) else None for v in (est[f"{what}_lo{suffix}"], est[f"{what}_hi{suffix}"])]

@@ -8,9 +8,11 @@ assumes LLaMA-3-8B's). The prefill curve carries them: a dense decoder's prefill
 attention growing with ell^2 d per layer while the projections and the MLP cost 2 FLOPs per non-embedding
 parameter per token (P_ne = L (2 d^2 + 2 d d_kv + 3 d d_ffn) + norms and biases). The references of F,
 timed on the same platform with known L, d and P_ne, calibrate b, c, a; a target's P_ne then follows from its
-own sweep given d_hat and L_hat (a one-parameter fit, weakly sensitive to L_hat: the quadratic term is
-subtracted, not fitted). The embedding adds V d_hat once (tied) or twice (untied); tying is not visible in
-prefill time, so P_hat is the midpoint of the tied and untied totals and the range covers both.
+own sweep given d_hat and L_hat (a one-parameter fit: the quadratic term is subtracted, not fitted, so an error
+in L_hat moves P_ne by the attention term's share of the sweep's time against the rest, one to one in relative
+terms where the two are equal; App. D places the sweep around that crossover). The embedding adds V d_hat once
+(tied) or twice (untied); tying is not visible in prefill time, so P_hat is the midpoint of the tied and untied
+totals and the range covers both.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ def calibrate(records: list[dict]) -> PrefillCalibration:
 
 def non_embedding_hat(cal: PrefillCalibration, ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: float,
                       L_hat: float) -> float:
-    """P_ne_hat: slope through the origin of (T - a - b L_hat d_hat ell^2) on ell, divided by c."""
+    """P_ne_hat: slope through the origin of (T - a - b L_hat d_hat ell^2) on ell, divided by c; NaN when it is not
+    positive (the attention term of an L_hat too deep, or noise, leaves no time for the parameters)."""
     ell, T, sigma = (np.asarray(v, dtype=np.float64) for v in (ell, T, sigma))
     w = 1.0 / np.maximum(sigma, 1e-12) ** 2
     rest = T - cal.a - cal.b * L_hat * d_hat * ell**2
-    return float(np.sum(w * rest * ell) / np.sum(w * ell * ell) / cal.c)
+    P_ne = float(np.sum(w * rest * ell) / np.sum(w * ell * ell) / cal.c)
+    return P_ne if P_ne > 0 else np.nan
 
 
 def param_range(P_ne: float, d_hat: float, V: int) -> tuple[float, float, float]:
