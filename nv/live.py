@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from nv.errors import NVError
 from nv.oracle.journal import Journal
 from nv.oracle.http import Budget, HTTPOracle, split_credentials
+from nv.outputs import write_json
 from nv.phase1.adaptive import schedule
 from nv.theory.sample_complexity import guaranteed_common_size
 
@@ -275,25 +275,20 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
             from nv.phase2.live import timing_phase
 
             # phase 1's report, whole, while phase 2 runs: a phase 2 that fails or is stopped leaves it, marked
-            _write_report(out, record | {"timing": {"note": "phase 2 did not finish: rerun the same command (its paid "
+            write_json(out / "report.json", record | {"timing": {"note": "phase 2 did not finish: rerun the same command (its paid "
                                                             "calls are journaled)"}})
             d_hat = timing["d_hat"] or record["d_hat"]
             record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],
                                        timing["vocab_size"], params["seed"], out / ".checkpoints" / "timing.jsonl", progress))
             record["cost"]["paper"] = oracle.cost.as_dict()  # phase 1 + the timed calls
             record["cost"]["provider"] = oracle.provider_cost.as_dict()
-        _write_report(out, record)
+        write_json(out / "report.json", record)
         return record
     finally:
         oracle.close()
         journal.close()
 
 
-def _write_report(out: Path, record: dict) -> None:
-    """``out/report.json``, replaced whole (a temporary file, then a rename): never a half-written report."""
-    tmp = out / "report.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, out / "report.json")
 
 
 def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -> dict:

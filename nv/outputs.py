@@ -4,6 +4,7 @@ file is one line naming it and the stage to rerun, not a JSONDecodeError or BadZ
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -50,3 +51,12 @@ def read_npz(path: str | Path, stage: str | None = None) -> dict[str, np.ndarray
     except NPZ_ERRORS as exc:
         raise NVError(f"{path} is corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
                       f"{_rerun(path, stage)}") from None
+
+
+def write_json(path: str | Path, value) -> None:
+    """``value`` as indented JSON in ``path``, replaced whole (a temporary file, then a rename): a reader, or a run
+    stopped mid-write, never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nv.outputs import write_json
 from nv.plots import save
 from nv.plots.phase1 import spectrum_panels
 from nv.phase1.prune import Pruned, greedy_prune
@@ -140,7 +141,7 @@ def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_tr
     common = common_set(sampled)
     estimates = estimate_both(common.Y, spectrum)
     record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
-    (out_dir / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out_dir / "report.json", record)
     save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
     return record, sampled
 
