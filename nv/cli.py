@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
+from nv.outputs import write_json
 from nv.params import load_params
 
 PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
@@ -111,7 +112,7 @@ def attack(args: argparse.Namespace) -> int:
     params["model"] = {**model, "defence": defence.as_dict()} if defence.active else model
     record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
     record["defence"] = defence.as_dict()
-    (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out / "report.json", record)
     print(json.dumps(summary(record)))
     return 0
 

@@ -275,8 +275,8 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
             from nv.phase2.live import timing_phase
 
             # phase 1's report, whole, while phase 2 runs: a phase 2 that fails or is stopped leaves it, marked
-            write_json(out / "report.json", record | {"timing": {"note": "phase 2 did not finish: rerun the same command (its paid "
-                                                            "calls are journaled)"}})
+            unfinished = {"note": "phase 2 did not finish: rerun the same command (its paid calls are journaled)"}
+            write_json(out / "report.json", record | {"timing": unfinished})
             d_hat = timing["d_hat"] or record["d_hat"]
             record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],
                                        timing["vocab_size"], params["seed"], out / ".checkpoints" / "timing.jsonl", progress))
@@ -287,8 +287,6 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
     finally:
         oracle.close()
         journal.close()
-
-
 
 
 def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -> dict:
