@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,3 +61,28 @@ def write_json(path: str | Path, value) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Phase1Run:
+    """One real model's phase-1 outputs: the section stages' (``item`` None: model.spec) or those of
+    ``validation_phase1@NAME`` (``item``: its validation.models entry). ``d_true`` is for evaluation only."""
+
+    spec: str
+    prompts: Path
+    samples: Path
+    sweep: Path
+    d_true: int
+    item: dict | None
+
+
+def phase1_runs(root: Path, spec: str, items: dict) -> list[Phase1Run]:
+    """model.spec's phase-1 run, then each of ``items`` (validation.models)'."""
+    out = root / "outputs"
+    runs = [Phase1Run(spec, out / "prompt_search" / "prompts.json", out / "sampling" / "samples",
+                      out / "budget_sweep" / "sweep.csv", read_json(out / "model_card" / "architecture.json")["d"], None)]
+    for name, item in items.items():
+        folder = out / "validation_phase1" / name
+        runs.append(Phase1Run(item["spec"], folder / "prompts.json", folder / "samples", folder / "sweep.csv",
+                              read_json(folder / "report.json")["d_true"], item))
+    return runs

@@ -34,7 +34,7 @@ STAGES: dict[str, Stage] = {
     "spectrum": Stage("notebooks/13_spectrum.ipynb", ("model", "spectrum")),
     "budget_sweep": Stage("notebooks/14_budget_sweep.ipynb", ("spectrum", "sweep")),
     "exactness": Stage("notebooks/15_exactness.ipynb", ("model", "sampling", "spectrum", "exactness", "validation")),
-    "planner": Stage("notebooks/16_planner.ipynb", ("sweep", "validation", "planner")),
+    "planner": Stage("notebooks/16_planner.ipynb", ("model", "sweep", "validation", "planner")),
     "sample_complexity": Stage("notebooks/20_sample_complexity.ipynb", ("model", "sample_complexity")),
     "carlini_baseline": Stage("notebooks/21_carlini_baseline.ipynb", ("model", "spectrum", "carlini_baseline")),
     "timing_reference": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing"), each="timing_family"),

@@ -1,8 +1,9 @@
 """Figures, one module per part of the paper: ``phase1`` (§4.1, App. B.1: prompt search, sampling,
 common set, spectrum panels, budget sweep), ``theory`` (§5.2, App. F: sample complexity, Carlini
 baseline), ``phase2`` (§4.2, App. B.3: timing scaling, calibration, errors), ``overall`` (§5.1),
-``validation`` (§5.1 across models), and beyond the paper ``exactness`` (the (D, N, tau) grid),
-``planner`` (the pilot's predicted common set) and ``defences`` (each defence's effect and price).
+``validation`` (§5.1 across models), ``sweep`` (one timed model's App. D prefill sweep), and beyond the paper
+``exactness`` (the (D, N, tau) grid), ``planner`` (the pilot's predicted common set) and ``defences`` (each
+defence's effect and price).
 The helpers every figure shares live here: the non-interactive backend, ``save`` and ``mark_truth``."""
 
 from __future__ import annotations
