@@ -266,7 +266,9 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         params = {**params, "model": {"endpoint": oracle.base_url, "model": model,
                                       **{k: params["live"][k] for k in REQUEST_KEYS}}}
         phase2 = planned.get("phase2") or {"requests": 0, "tokens_billed": 0}
-        with oracle.holding(phase2["requests"], phase2["tokens_billed"]):  # phase 2's share, kept from phase 1's rounds
+        # phase 2's whole share is kept from phase 1's rounds, even where an earlier run's timed calls are journaled:
+        # which calls phase 2 makes follows from phase 1's d_hat (its sweep), known only once phase 1 ends
+        with oracle.holding(phase2["requests"], phase2["tokens_billed"]):
             samples, search_cost, adaptive = search_and_sample(oracle, params, out, out / ".checkpoints", progress)
         record, sampled = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out)
         prompts = json.loads((out / "prompts.json").read_text())
