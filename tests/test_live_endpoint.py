@@ -845,7 +845,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
         assert t["P_hat_paper"] == pytest.approx(by_hand, rel=1e-9) and t["vocab_size"] == 49152
         if "P_hat" in t:  # the attacker-side P_hat: the midpoint of the tied and untied totals, inside its interval
             tied, untied = t["P_tied_untied"]
-            assert untied - tied == 49152 * 576 and t["P_hat"] == pytest.approx((tied + untied) / 2)
+            assert untied - tied == pytest.approx(49152 * 576, abs=1e-3) and t["P_hat"] == pytest.approx((tied + untied) / 2)
             assert (t["P_interval"][0] or 0) <= tied and untied <= (t["P_interval"][1] or np.inf)
         else:  # the references' prefill curves too noisy for a fit, or none left for the parameters at this L_hat
             assert t["note"].startswith("no attacker-side P_hat"), t
