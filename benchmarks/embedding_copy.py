@@ -3,8 +3,8 @@
 The packaged table (``nv/models/packaged.py``) calls a model untied when its GGUF has an ``output.weight``
 tensor, as the GGUF header says; a converter can write a tied model's one matrix twice, quantised two ways,
 and the model then counts V d parameters more than it was trained with. Per packaged model: the quantisation
-of both matrices, the cosine between the same row of each (``--rows`` random rows, dequantised), and the
-parameter count with the embedding counted once (``P - V d`` where the file has both). Rows of a real pair of
+of both matrices, the cosine between the same row of each (``--rows`` random rows, dequantised), and V d, the
+parameters counted twice where it is a copy. Rows of a real pair of
 matrices are unrelated (cosine ~0); a copy differs only by quantisation (cosine ~1). A model whose GGUF is not
 assembled yet is assembled first (``nv.models.packaged``). Run: python benchmarks/embedding_copy.py [--rows 2000]
 """
