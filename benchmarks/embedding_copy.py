@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from nv.models.loading import gguf_path
-from nv.models.packaged import PACKAGED, embedding_row_cosines, read_gguf
+from nv.models.packaged import COPY_COSINE, PACKAGED, embedding_row_cosines, read_gguf
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
             continue
         E, O = (next(t for t in reader.tensors if t.name == n) for n in ("token_embd.weight", "output.weight"))
         V, d = E.data.shape[0], PACKAGED[name].facts["d"]
-        verdict = "a copy of the embedding" if cos.min() > 0.99 else "its own matrix"
+        verdict = "a copy of the embedding" if cos.min() > COPY_COSINE else "its own matrix"
         print(f"{name}: token_embd {E.tensor_type.name}, output {O.tensor_type.name}; row cosine median "
               f"{np.median(cos):.4f}, min {cos.min():.4f}, max {cos.max():.4f} over {len(cos)} rows -> {verdict}; "
               f"V d = {V * d:,} parameters counted twice if a copy")

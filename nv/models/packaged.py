@@ -192,12 +192,15 @@ def embedding_row_cosines(reader: GGUFReader, rows: int = 256, seed: int = 0):
     return (e * o).sum(1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(o, axis=1) + 1e-300)
 
 
+COPY_COSINE = 0.99  # every sampled row above it: output.weight is the embedding stored again
+
+
 def tied_embeddings(reader: GGUFReader) -> bool:
     """Whether the model reuses its token embedding as the unembedding: no ``output.weight``, or one that is the
     embedding written a second time (a converter may store a tied matrix twice, quantised two ways: every sampled
     row then has cosine > 0.99 with the embedding's, where two trained matrices' rows are unrelated)."""
     cos = embedding_row_cosines(reader)
-    return cos is None or bool(cos.min() > 0.99)
+    return cos is None or bool(cos.min() > COPY_COSINE)
 
 
 if __name__ == "__main__":  # `make`: the requirement specs to install into $NV_MODELS
