@@ -27,10 +27,10 @@ REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns"
 # asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
 # every paid reply, and the journal's cost stays everything paid through it
 UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
-# a paid reply in the journal: bytes of its line on disk, and of memory at the peak, a resumed run loading the journal
-# (benchmarks/bench_journal_memory.py, 2·10^5 one-sample replies: 232 bytes each held while it runs, 259 while a
-# resume loads them)
-JOURNAL_BYTES = {"disk": 133, "memory": 260}
+# a paid reply in the journal: bytes of its line on disk, and of memory, the index that finds the line
+# (benchmarks/bench_journal_memory.py, 10^6 one-sample replies: 30 bytes each held while the attack runs, 27 at the
+# peak of a resume's read)
+JOURNAL_BYTES = {"disk": 133, "memory": 32}
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:
@@ -140,6 +140,7 @@ def paid_so_far(journal: Path, base_url: str, model: str, params: dict, budget: 
     if not journal.is_file():
         return None
     j = Journal(journal, binding(split_credentials(base_url)[0], model, params), UNBOUND, readonly=True)
+    j.close()
     tokens = j.prompt_tokens + j.output_tokens
     return {"journal": str(journal), "requests": j.requests, "tokens_billed": tokens, "money": budget.money_of(tokens)}
 
@@ -162,7 +163,7 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
         f"  time              {_duration(p['minutes_at_rate_limits'], live)}\n"
         f"  journal           ~{_size(p['journal_bytes']['disk'])} on disk, ~{_size(p['journal_bytes']['memory'])} of memory "
-        "while the attack runs (every paid reply is held; the figures of one-sample replies: README, Live endpoint)\n"
+        "while the attack runs (an index of every paid reply; the figures of one-sample replies: README, Live endpoint)\n"
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)

@@ -629,6 +629,34 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
         Journal(path, {"endpoint": "f", "N": 12}, unbound=("N",))
 
 
+def test_journal_index_finds_every_reply_through_colliding_prefixes_and_runs(tmp_path, monkeypatch):
+    """The journal holds an index, not the replies: a reply is read back from its line. Here runs of 4 entries (many
+    merges) and prefixes of 3 values (every lookup meets colliding keys): every reply is found, as written, before and
+    after a reopen; a key never put is not; a line changed under the attack is an error, not another reply."""
+    monkeypatch.setattr(journal_module._Index, "BATCH", 4)
+    monkeypatch.setattr(journal_module, "_prefix", lambda key: int(key[1:]) % 3)
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, {"endpoint": "e"})
+    records = {f"k{i}": {"c": [[f"s:{i}", -0.5 * i, []]], "p": i, "o": 1} for i in range(50)}
+    for i, (key, record) in enumerate(records.items()):
+        j.put(key, record)
+        if i % 7 == 0:
+            j.column(f"s:{i}")  # column lines between the replies' lines
+    assert all(j.get(k) == r for k, r in records.items()) and "k50" not in j and j.requests == 50
+    j.close()
+    j = Journal(path, {"endpoint": "e"})
+    assert all(j.get(k) == r for k, r in records.items()) and "k50" not in j and j.requests == 50
+    assert j.prompt_tokens == sum(range(50)) and len(j.columns) == 8
+    j.put("k50", {"c": [], "p": 1, "o": 1})
+    assert j.get("k50") == {"c": [], "p": 1, "o": 1} and j.get("k49") == records["k49"]
+    text = path.read_bytes()
+    start = text.index(b'"r":"k3"')
+    path.write_bytes(text[: start - 30] + b"#" * 30 + text[start - 30 :])  # bytes inserted: the offsets now miss
+    with pytest.raises(NVError, match="no longer what was read there"):
+        j.get("k3")
+    j.close()
+
+
 def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog):
     """Linux returns at most 2 GiB per read: a journal read in one ``os.pread`` came back short past that size, its
     rest looked like a torn last line and was truncated away, paid replies with it. Here every read is short (as past

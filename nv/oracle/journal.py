@@ -13,6 +13,9 @@ arrives, and the file is fsync'ed before the response is used. A process killed 
 at most a torn last line: it is dropped with a warning and the file truncated to its last whole
 line; a bad line anywhere else makes the journal untrusted (an error, never silently accepted).
 An exclusive lock keeps two processes from appending to one journal. No credential is written.
+
+Memory: an index of ~20 bytes per reply (``_Index``: where each reply's line lies in the file); a reply itself is
+read back from the file when it is asked for, so a journal's size is bounded by the disk, not by memory.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import json
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from nv.errors import NVError
 
@@ -37,10 +43,54 @@ _DIGEST = re.compile("[0-9a-f]{64}")
 VERSION = 1
 
 
-def _compact(key: str) -> bytes | str:
-    """A request key as held in memory: the 32 bytes of a ``request_key`` (a lowercase SHA-256 hex digest); any other
-    key as it is (a str never equals bytes, so the two kinds cannot collide)."""
-    return bytes.fromhex(key) if _DIGEST.fullmatch(key) else key
+def _prefix(key: str) -> int:
+    """The index's 64 bits of a request key: the first 8 bytes of a ``request_key`` (a lowercase SHA-256 hex digest),
+    of any other key's SHA-256. Two keys may share them; the line read back names its key."""
+    if _DIGEST.fullmatch(key):
+        return int(key[:16], 16)
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+
+
+class _Index:
+    """Request key prefix -> (offset, length) of the reply's line: 20 bytes a reply in sorted numpy runs, merged like a
+    binary counter (about log2(n / BATCH) runs, each found by bisection), behind a dict of the last BATCH added."""
+
+    BATCH = 1 << 14
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # prefixes (sorted), offsets, lengths
+        self._new: dict[int, list[tuple[int, int]]] = {}
+        self._pending = 0
+        self.size = 0
+
+    def add(self, prefix: int, offset: int, length: int) -> None:
+        self._new.setdefault(prefix, []).append((offset, length))
+        self._pending += 1
+        self.size += 1
+        if self._pending == self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        """File the dict's entries as a run, merged with every run no longer than it."""
+        rows = [(p, o, n) for p, places in self._new.items() for o, n in places]
+        run = (np.array([r[0] for r in rows], np.uint64), np.array([r[1] for r in rows], np.int64),
+               np.array([r[2] for r in rows], np.uint32))
+        self._new.clear()
+        self._pending = 0
+        while self._runs and len(self._runs[-1][0]) <= len(run[0]):
+            run = tuple(np.concatenate((a, b)) for a, b in zip(self._runs.pop(), run))
+        order = np.argsort(run[0], kind="stable")
+        self._runs.append(tuple(a[order] for a in run))
+
+    def places(self, prefix: int) -> Iterator[tuple[int, int]]:
+        """Every (offset, length) filed under ``prefix``."""
+        yield from self._new.get(prefix, ())
+        p = np.uint64(prefix)
+        for prefixes, offsets, lengths in self._runs:
+            i = int(np.searchsorted(prefixes, p))
+            while i < len(prefixes) and prefixes[i] == p:
+                yield int(offsets[i]), int(lengths[i])
+                i += 1
 
 
 def canonical(obj) -> str:
@@ -86,25 +136,29 @@ def _valid_record(d) -> bool:
 class Journal:
     """Paid responses keyed by request identity, plus the token -> column map.
 
-    ``path=None`` keeps everything in memory (nothing survives the process). ``get`` gives the stored
+    ``path=None`` writes to an anonymous temporary file (nothing survives the process). ``get`` gives the stored
     record of a request key (a dict with ``p`` prompt tokens and ``o`` output tokens as the server's
     usage reported them); ``columns`` maps token keys to column indexes 0, 1, ...
     """
 
     def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = (), readonly: bool = False) -> None:
         """``readonly``: read what a journal holds (a dry run's look at what is paid) without locking, repairing or
-        writing it, so it works beside the attack that is appending to it; nothing put afterwards is written."""
+        writing it, so it works beside the attack that is appending to it."""
         self.path = None if path is None else Path(path)
         self.readonly = readonly
         self.binding = json.loads(canonical(binding))
         self.unbound = unbound  # binding paths a resumed attack may change (how many requests, not what they ask)
-        self._replies: dict[bytes | str, bytes] = {}  # _remember's compact form
+        self._index = _Index()
         self.columns: dict[str, int] = {}
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.unidentified = 0  # sampled tokens the endpoint named no token for, over every reply
         self._fd: int | None = None
-        if self.path is not None:
+        self._end = 0  # bytes of whole lines in the file: where the next line goes
+        if self.path is None:
+            self._fd, name = tempfile.mkstemp(prefix="nv-journal-")
+            os.unlink(name)
+        else:
             self._open()
 
     # -- reading -----------------------------------------------------------------------------
@@ -115,10 +169,7 @@ class Journal:
                 self._fd = os.open(self.path, os.O_RDONLY)
             except OSError as exc:
                 raise NVError(f"journal {self.path} cannot be read: {exc.strerror}") from None
-            try:
-                self._read()
-            finally:
-                self.close()
+            self._read()
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,13 +187,13 @@ class Journal:
         """Load every paid reply, line by line: the header's binding is checked before the first reply is loaded,
         and nothing but the compact form of each reply is kept (``_remember``)."""
         header, loaded = None, 0
-        for line, entry in self._entries():
+        for line, offset, length, entry in self._entries():
             if line == 1:
                 header = entry
                 continue
             if not loaded:
                 self._check_binding(header)
-            self._load(entry, line)
+            self._load(entry, line, offset, length)
             loaded += 1
         if not loaded and header is not None and header.get("binding") != self.binding:
             # a header and nothing paid under it (a first run that failed its set-up checks): nothing to lose, so the
@@ -151,6 +202,7 @@ class Journal:
                 return
             log.info("journal %s: no reply was paid under its binding; reused for this attack", self.path)
             os.ftruncate(self._fd, 0)
+            self._end = 0
             header = None
         if header is None and not self.readonly:
             self._append({"journal": MAGIC, "version": VERSION, "binding": self.binding})
@@ -165,8 +217,8 @@ class Journal:
             log.info("journal %s: the same attack with %s: its paid replies are reused", self.path,
                      _first_difference(header.get("binding"), self.binding))
 
-    def _entries(self) -> Iterator[tuple[int, dict]]:
-        """Every whole line as (line number, entry), read line by line (never in one read: Linux returns at most
+    def _entries(self) -> Iterator[tuple[int, int, int, dict]]:
+        """Every whole line as (line number, its offset, its length, entry), read line by line (never in one read: Linux returns at most
         2 GiB per read, and a journal cut short there would pass for a torn last line and be truncated, its paid
         replies lost). Once every line is read, a torn last line is dropped and the file truncated to the whole
         lines before it."""
@@ -191,8 +243,8 @@ class Journal:
                 if i == 0 and (entry.get("journal") != MAGIC or entry.get("version") != VERSION):
                     self.close()  # before anything is truncated: someone else's file stays as it was
                     raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
+                yield i + 1, whole, len(line), entry
                 whole += len(line)
-                yield i + 1, entry
         if whole + len(tail) != size and not self.readonly:  # read-only: the attack beside it may be appending
             self.close()
             raise NVError(f"journal {self.path} changed size while it was read ({size} bytes, then {whole + len(tail)}): "
@@ -201,14 +253,15 @@ class Journal:
         if not whole and tail and not (tail.startswith(start) or start.startswith(tail)):  # no header, nor a torn one
             self.close()
             raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new --journal path")
+        self._end = whole
         if tail and not self.readonly:
             log.warning("journal %s: dropping a torn last line (%d bytes, an interrupted write)", self.path, len(tail))
             os.ftruncate(self._fd, whole)
             os.fsync(self._fd)
 
-    def _load(self, entry: dict, line: int) -> None:
+    def _load(self, entry: dict, line: int, offset: int, length: int) -> None:
         if isinstance(entry.get("r"), str) and _valid_record(entry.get("d")):
-            self._remember(entry["r"], entry["d"])
+            self._remember(entry["r"], entry["d"], offset, length)
         elif isinstance(entry.get("v"), str) and entry.get("c") == len(self.columns):
             self.columns[entry["v"]] = entry["c"]
         else:
@@ -216,34 +269,52 @@ class Journal:
             raise NVError(f"journal {self.path}: line {line} is not a response or a column entry, so the journal cannot "
                           f"be trusted {_RECOVER.format(keep=line - 1)}")
 
-    def _remember(self, key: str, record: dict) -> None:
-        """Hold a reply compactly (a third of the memory of its dict): the key's digest bytes, the record's JSON."""
-        self._replies[_compact(key)] = canonical(record).encode()
+    def _remember(self, key: str, record: dict, offset: int, length: int) -> None:
+        """Index a reply's line and count its tokens."""
+        self._index.add(_prefix(key), offset, length)
         self.prompt_tokens += int(record.get("p", 0))
         self.output_tokens += int(record.get("o", 0))
         self.unidentified += sum(c[0] is None for c in record.get("c", ()))
 
     # -- writing -----------------------------------------------------------------------------
 
-    def _append(self, entry: dict) -> None:
-        if self._fd is None:
-            return
+    def _append(self, entry: dict) -> tuple[int, int]:
+        """Write one line; its offset and length."""
         data = (canonical(entry) + "\n").encode()
+        offset, length = self._end, len(data)
         while data:
             data = data[os.write(self._fd, data) :]
+        self._end += length
+        return offset, length
+
+    def _line(self, offset: int, length: int) -> dict:
+        """The entry of the line at ``offset`` (reads may come back short)."""
+        data = b""
+        while len(data) < length:
+            chunk = os.pread(self._fd, length - len(data), offset + len(data))
+            if not chunk:
+                break
+            data += chunk
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise NVError(f"journal {self.path}: the line at byte {offset} is no longer what was read there: "
+                          "was the file changed during the attack?") from None
 
     def get(self, key: str) -> dict | None:
         """The paid reply to request ``key``, or None."""
-        raw = self._replies.get(_compact(key))
-        return None if raw is None else json.loads(raw)
+        for offset, length in self._index.places(_prefix(key)):
+            entry = self._line(offset, length)
+            if entry.get("r") == key:
+                return entry["d"]
+        return None
 
     def __contains__(self, key: str) -> bool:
-        return _compact(key) in self._replies
+        return self.get(key) is not None
 
     def put(self, key: str, record: dict) -> None:
         """Append one paid response (written at once; durable at the next ``sync``)."""
-        self._append({"r": key, "d": record})
-        self._remember(key, record)
+        self._remember(key, record, *self._append({"r": key, "d": record}))
 
     def column(self, token: str) -> int:
         """The stable column of a token key, assigned (and journaled) on first sight."""
@@ -253,7 +324,7 @@ class Journal:
         return self.columns[token]
 
     def sync(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self.path is not None:
             os.fsync(self._fd)
 
     def close(self) -> None:
@@ -263,4 +334,4 @@ class Journal:
 
     @property
     def requests(self) -> int:
-        return len(self._replies)
+        return self._index.size
