@@ -27,10 +27,10 @@ REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns"
 # asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
 # every paid reply, and the journal's cost stays everything paid through it
 UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
-# a paid reply in the journal: bytes of its line on disk, and of memory, the index that finds the line
-# (benchmarks/bench_journal_memory.py, 10^6 one-sample replies: 30 bytes each held while the attack runs, 27 at the
-# peak of a resume's read)
-JOURNAL_BYTES = {"disk": 133, "memory": 32}
+# a paid reply in the journal: bytes of its line on disk, and of memory at the peak, the index that finds the line
+# merging its runs (benchmarks/bench_journal_memory.py, 2^20 one-sample replies, resident: 37 bytes each held while
+# the attack runs, 45 at its peak, 45-50 at the peak of a resume's read, two runs)
+JOURNAL_BYTES = {"disk": 133, "memory": 50}
 
 
 def binding(base_url: str, model: str, params: dict) -> dict:

@@ -632,7 +632,8 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
 def test_journal_index_finds_every_reply_through_colliding_prefixes_and_runs(tmp_path, monkeypatch):
     """The journal holds an index, not the replies: a reply is read back from its line. Here runs of 4 entries (many
     merges) and prefixes of 3 values (every lookup meets colliding keys): every reply is found, as written, before and
-    after a reopen; a key never put is not; a line changed under the attack is an error, not another reply."""
+    after a reopen; a key never put is not; a key put twice gives its last reply; a line changed under the attack is
+    an error, not another reply."""
     monkeypatch.setattr(journal_module._Index, "BATCH", 4)
     monkeypatch.setattr(journal_module, "_prefix", lambda key: int(key[1:]) % 3)
     path = tmp_path / "j.jsonl"
@@ -649,12 +650,37 @@ def test_journal_index_finds_every_reply_through_colliding_prefixes_and_runs(tmp
     assert j.prompt_tokens == sum(range(50)) and len(j.columns) == 8
     j.put("k50", {"c": [], "p": 1, "o": 1})
     assert j.get("k50") == {"c": [], "p": 1, "o": 1} and j.get("k49") == records["k49"]
+    again = {"c": [], "p": 2, "o": 1}
+    j.put("k7", again)  # a key paid twice (two requests in flight at once): its last reply, billed twice
+    for k in ("k51", "k52", "k53"):  # before and after the dict is filed into the runs
+        assert j.get("k7") == again
+        j.put(k, {"c": [], "p": 1, "o": 1})
+    assert j.get("k7") == again and j.requests == 55
+    j.close()
+    j = Journal(path, {"endpoint": "e"})
+    assert j.get("k7") == again and j.requests == 55 and j.get("k6") == records["k6"]
     text = path.read_bytes()
     start = text.index(b'"r":"k3"')
     path.write_bytes(text[: start - 30] + b"#" * 30 + text[start - 30 :])  # bytes inserted: the offsets now miss
     with pytest.raises(NVError, match="no longer what was read there"):
         j.get("k3")
     j.close()
+
+
+def test_journal_index_against_a_dict(monkeypatch):
+    """``_Index.places`` gives exactly the (offset, length) pairs filed under a prefix, whatever the merges: 3,000 adds
+    in batches of 7 over 300 prefixes, among them 0 and the largest uint64 values (where a signed comparison would
+    fail)."""
+    monkeypatch.setattr(journal_module._Index, "BATCH", 7)
+    rng = np.random.default_rng(0)
+    pool = [0, 2**63 - 1, 2**63, 2**64 - 1] + [2 * int(x) for x in rng.integers(0, 2**63, 296, dtype=np.int64)]
+    index, reference = journal_module._Index(), {}
+    for i in range(3000):
+        prefix = pool[int(rng.integers(len(pool)))]
+        index.add(prefix, 10 * i, i % 97)
+        reference.setdefault(prefix, []).append((10 * i, i % 97))
+    assert index.size == 3000 and len(index._runs) <= 10
+    assert all(sorted(index.places(p)) == sorted(reference.get(p, [])) for p in pool + [1, 2**64 - 2])
 
 
 def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog):

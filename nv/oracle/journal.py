@@ -14,8 +14,9 @@ at most a torn last line: it is dropped with a warning and the file truncated to
 line; a bad line anywhere else makes the journal untrusted (an error, never silently accepted).
 An exclusive lock keeps two processes from appending to one journal. No credential is written.
 
-Memory: an index of ~20 bytes per reply (``_Index``: where each reply's line lies in the file); a reply itself is
-read back from the file when it is asked for, so a journal's size is bounded by the disk, not by memory.
+Memory: an index of 20 bytes per reply (``_Index``: where each reply's line lies in the file; ~35 while it merges
+its runs, allocated; ~37 and ~50 resident, ``benchmarks/bench_journal_memory.py``); a reply itself is read back from
+the file when it is asked for.
 """
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def _prefix(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
 
 
+def _merge(a: list[np.ndarray], b: list[np.ndarray]) -> list[np.ndarray]:
+    """Two sorted runs [prefixes, offsets, lengths] as one, ``b``'s entries after ``a``'s where prefixes tie. Built a
+    field at a time, each input field released once copied (the lists are emptied): the merge holds both runs, one
+    output field and the positions, ~33 bytes an entry at its peak."""
+    n = len(a[0]) + len(b[0])
+    at_b = np.searchsorted(a[0], b[0], side="right") + np.arange(len(b[0]))
+    from_a = np.ones(n, bool)
+    from_a[at_b] = False
+    out = []
+    while a:
+        x, y = a.pop(0), b.pop(0)
+        z = np.empty(n, x.dtype)
+        z[from_a], z[at_b] = x, y
+        del x, y
+        out.append(z)
+    return out
+
+
 class _Index:
     """Request key prefix -> (offset, length) of the reply's line: 20 bytes a reply in sorted numpy runs, merged like a
     binary counter (about log2(n / BATCH) runs, each found by bisection), behind a dict of the last BATCH added."""
@@ -58,7 +77,7 @@ class _Index:
     BATCH = 1 << 14
 
     def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # prefixes (sorted), offsets, lengths
+        self._runs: list[list[np.ndarray]] = []  # [prefixes (sorted), offsets, lengths], the oldest first
         self._new: dict[int, list[tuple[int, int]]] = {}
         self._pending = 0
         self.size = 0
@@ -72,25 +91,25 @@ class _Index:
 
     def _flush(self) -> None:
         """File the dict's entries as a run, merged with every run no longer than it."""
-        rows = [(p, o, n) for p, places in self._new.items() for o, n in places]
-        run = (np.array([r[0] for r in rows], np.uint64), np.array([r[1] for r in rows], np.int64),
-               np.array([r[2] for r in rows], np.uint32))
+        rows = sorted((p, o, n) for p, places in self._new.items() for o, n in places)
+        run = [np.array([r[0] for r in rows], np.uint64), np.array([r[1] for r in rows], np.int64),
+               np.array([r[2] for r in rows], np.uint32)]
         self._new.clear()
         self._pending = 0
         while self._runs and len(self._runs[-1][0]) <= len(run[0]):
-            run = tuple(np.concatenate((a, b)) for a, b in zip(self._runs.pop(), run))
-        order = np.argsort(run[0], kind="stable")
-        self._runs.append(tuple(a[order] for a in run))
+            run = _merge(self._runs.pop(), run)
+        self._runs.append(run)
 
-    def places(self, prefix: int) -> Iterator[tuple[int, int]]:
+    def places(self, prefix: int) -> list[tuple[int, int]]:
         """Every (offset, length) filed under ``prefix``."""
-        yield from self._new.get(prefix, ())
+        found = list(self._new.get(prefix, ()))
         p = np.uint64(prefix)
         for prefixes, offsets, lengths in self._runs:
             i = int(np.searchsorted(prefixes, p))
             while i < len(prefixes) and prefixes[i] == p:
-                yield int(offsets[i]), int(lengths[i])
+                found.append((int(offsets[i]), int(lengths[i])))
                 i += 1
+        return found
 
 
 def canonical(obj) -> str:
@@ -143,7 +162,8 @@ class Journal:
 
     def __init__(self, path: str | Path | None, binding: dict, unbound: tuple[str, ...] = (), readonly: bool = False) -> None:
         """``readonly``: read what a journal holds (a dry run's look at what is paid) without locking, repairing or
-        writing it, so it works beside the attack that is appending to it."""
+        writing it, so it works beside the attack that is appending to it; it takes no ``put``."""
+        self._fd: int | None = None  # first: ``__del__`` closes it
         self.path = None if path is None else Path(path)
         self.readonly = readonly
         self.binding = json.loads(canonical(binding))
@@ -153,7 +173,6 @@ class Journal:
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.unidentified = 0  # sampled tokens the endpoint named no token for, over every reply
-        self._fd: int | None = None
         self._end = 0  # bytes of whole lines in the file: where the next line goes
         if self.path is None:
             self._fd, name = tempfile.mkstemp(prefix="nv-journal-")
@@ -184,8 +203,7 @@ class Journal:
         self._read()
 
     def _read(self) -> None:
-        """Load every paid reply, line by line: the header's binding is checked before the first reply is loaded,
-        and nothing but the compact form of each reply is kept (``_remember``)."""
+        """Index every paid reply, line by line: the header's binding is checked before the first reply is indexed."""
         header, loaded = None, 0
         for line, offset, length, entry in self._entries():
             if line == 1:
@@ -296,14 +314,17 @@ class Journal:
                 break
             data += chunk
         try:
-            return json.loads(data)
+            entry = json.loads(data)
+            if not isinstance(entry, dict):
+                raise ValueError
+            return entry
         except ValueError:
             raise NVError(f"journal {self.path}: the line at byte {offset} is no longer what was read there: "
                           "was the file changed during the attack?") from None
 
     def get(self, key: str) -> dict | None:
         """The paid reply to request ``key``, or None."""
-        for offset, length in self._index.places(_prefix(key)):
+        for offset, length in sorted(self._index.places(_prefix(key)), reverse=True):  # a key paid twice: the last
             entry = self._line(offset, length)
             if entry.get("r") == key:
                 return entry["d"]
@@ -332,6 +353,10 @@ class Journal:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:  # an oracle's own journal (``path=None``) is dropped, not closed
+        self.close()
+
     @property
     def requests(self) -> int:
+        """Paid replies (a key paid twice, by two requests in flight at once, counts twice, as it was billed)."""
         return self._index.size
