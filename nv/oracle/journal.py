@@ -55,7 +55,7 @@ def _prefix(key: str) -> int:
 def _merge(a: list[np.ndarray], b: list[np.ndarray]) -> list[np.ndarray]:
     """Two sorted runs [prefixes, offsets, lengths] as one, ``b``'s entries after ``a``'s where prefixes tie. Built a
     field at a time, each input field released once copied (the lists are emptied): the merge holds both runs, one
-    output field and the positions, ~33 bytes an entry at its peak."""
+    output field and the positions, ~35 bytes an entry at its peak."""
     n = len(a[0]) + len(b[0])
     at_b = np.searchsorted(a[0], b[0], side="right") + np.arange(len(b[0]))
     from_a = np.ones(n, bool)
@@ -236,9 +236,9 @@ class Journal:
                      _first_difference(header.get("binding"), self.binding))
 
     def _entries(self) -> Iterator[tuple[int, int, int, dict]]:
-        """Every whole line as (line number, its offset, its length, entry), read line by line (never in one read: Linux returns at most
-        2 GiB per read, and a journal cut short there would pass for a torn last line and be truncated, its paid
-        replies lost). Once every line is read, a torn last line is dropped and the file truncated to the whole
+        """Every whole line as (line number, its offset, its length, entry), read line by line (never in one read:
+        Linux returns at most 2 GiB per read, and a journal cut short there would pass for a torn last line and be
+        truncated, its paid replies lost). Once every line is read, a torn last line is dropped and the file truncated to the whole
         lines before it."""
         size = os.fstat(self._fd).st_size
         whole, tail = 0, b""  # tail: an unparsable last line, or bytes after the last newline
