@@ -5,6 +5,7 @@ rounds share one forward pass per batch. The live-endpoint resume is tested in t
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ from nv.oracle import Simulator
 from nv.oracle.defence import Defence, DefendedOracle
 from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, schedule, stopped
 from nv.phase1.pipeline import common_set
-from nv.phase1.sampling import SampledMatrix, collect, load_samples, save_samples
+from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples, write_samples
 from nv.phase1.spectrum import estimate
 from synthetic import LowRankOracle
 
@@ -46,28 +47,48 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
     for r, n in enumerate((300, 700)):
         collect(oracle, PROMPTS[:10], n, 2.0, round_seed(0, r), tmp_path / f"r{r}", 300, tmp_path / "ck", {"m": "toy"}, 5, False)
         parts.append(load_samples(tmp_path / f"r{r}"))
-    merged = merge(parts[0], tmp_path / "r1")
+    merged = load_samples(merge(tmp_path / "r0", tmp_path / "r1", tmp_path / "m"))
     assert merged.N == 1000 and np.array_equal(np.asarray(merged.counts.sum(axis=1)).ravel(), np.full(10, 1000))
+    assert not list(tmp_path.glob("*.partial"))
     # a token seen in both rounds keeps its (exact) log-prob; the union of the columns is kept
     for q in range(10):
         cols = set(parts[0].counts[q].indices) | set(parts[1].counts[q].indices)
         assert set(merged.counts[q].indices) == cols
     both = parts[0].logprobs.multiply(parts[1].counts > 0)
     np.testing.assert_array_equal(merged.logprobs.multiply(both != 0).data, both.data)
-    # the round read in shards of 3 rows (not the 5 of the first's): the same matrix, bit for bit
-    blocked = merge(parts[0], save_samples(parts[1], tmp_path / "r1-by-3", chunk=3))
-    for a, b in ((blocked.counts, merged.counts), (blocked.logprobs, merged.logprobs)):
-        assert a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("data", "indices", "indptr"))
+    # shards of 3 rows against 5, either way round (the merged folder takes the second's): the same matrix, bit for bit
+    by3 = save_samples(parts[1], tmp_path / "r1-by-3", chunk=3)
+    for a, b in ((tmp_path / "r0", by3), (save_samples(parts[0], tmp_path / "r0-by-3", chunk=3), tmp_path / "r1")):
+        out = merge(a, b, tmp_path / "blocked")
+        assert json.loads((out / "manifest.json").read_text())["chunk"] == json.loads((b / "manifest.json").read_text())["chunk"]
+        blocked = load_samples(out)
+        for x, y in ((blocked.counts, merged.counts), (blocked.logprobs, merged.logprobs)):
+            assert x.dtype == y.dtype and all(np.array_equal(getattr(x, k), getattr(y, k)) for k in ("data", "indices", "indptr"))
+        assert np.array_equal(blocked.prompt_tokens, merged.prompt_tokens)
     # a noisy oracle's values: each entry is the count-weighted mean of the rounds' values
     parts[1].logprobs.data += np.linspace(0.0, 1.0, parts[1].logprobs.nnz, dtype=np.float32)
-    noisy = merge(parts[0], save_samples(parts[1], tmp_path / "noisy", chunk=4))
+    noisy = load_samples(merge(tmp_path / "r0", save_samples(parts[1], tmp_path / "noisy", chunk=4), tmp_path / "m2"))
     (la, ca), (lb, cb) = ((P.logprobs.toarray().astype(np.float64), P.counts.toarray()) for P in parts)
     seen = (ca + cb) > 0
     mean = (la * ca + lb * cb)[seen] / (ca + cb)[seen]
     np.testing.assert_array_equal(noisy.counts.toarray()[seen], (ca + cb)[seen])
     np.testing.assert_allclose(noisy.logprobs.toarray()[seen], mean, rtol=1e-6)
+    short = save_samples(SampledMatrix(parts[0].logprobs[:9], parts[0].counts[:9], parts[0].prompt_tokens[:9], 300, 2.0),
+                         tmp_path / "short")
     with pytest.raises(NVError, match="cannot merge"):
-        merge(SampledMatrix(parts[0].logprobs[:9], parts[0].counts[:9], parts[0].prompt_tokens[:9], 300, 2.0), tmp_path / "r1")
+        merge(short, tmp_path / "r1", tmp_path / "m3")
+    # a merge stopped part-way (Ctrl-C, a full disk) leaves no folder that passes for a merged one; a rerun's replaces it
+    rows = iter_shards(tmp_path / "r1")[2]
+
+    def cut():
+        yield next(rows)[1:]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_samples(tmp_path / "m4", {"N": 700, "temperature": 2.0, "chunk": 5, "D": 10, "vocab_size": 300}, cut())
+    assert not (tmp_path / "m4").exists() and (tmp_path / "m4.partial").exists()
+    assert load_samples(merge(tmp_path / "r0", tmp_path / "r1", tmp_path / "m4")).N == 1000
+    assert not (tmp_path / "m4.partial").exists()
     assert round_seed(0, 0) != round_seed(0, 1) and round_seed(0, 1) == round_seed(0, 1)
 
 
@@ -90,10 +111,19 @@ def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
     folders = sorted((tmp_path / "ck" / "adaptive").iterdir(), key=lambda f: int(f.name.split("-")[1]))
     merged = None
     for r in range(len(rounds)):
-        merged = load_samples(folders[r]) if merged is None else merge(merged, folders[r])
-        est = estimate(common_set(merged).Y, "robust", **ROBUST)
-        check = estimate(common_set(merged.subsample(int(merged.N / math.sqrt(2)), 0)).Y, "robust", **ROBUST)
+        merged = folders[r] if merged is None else merge(merged, folders[r], tmp_path / f"merged-{r}")
+        merged_S = load_samples(merged)
+        est = estimate(common_set(merged_S).Y, "robust", **ROBUST)
+        check = estimate(common_set(merged_S.subsample(int(merged_S.N / math.sqrt(2)), 0)).Y, "robust", **ROBUST)
         assert stopped(est, check) == (r == len(rounds) - 1), r
+    # the loop's output is the rounds' sum (an exact oracle: a token's log-prob is the same in every round); its work
+    # folder (the merged samples, the check's copy) is gone, the round folders stay for a rerun
+    total = sum(load_samples(f).counts for f in folders)
+    assert (S.counts != total).nnz == 0 and all(np.array_equal(getattr(S.logprobs, k), getattr(merged_S.logprobs, k))
+                                                for k in ("data", "indices", "indptr"))
+    assert sorted(f.name for f in (tmp_path / "ck").iterdir()) == ["adaptive"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stop"] == "stable" and [r["N"] for r in manifest["adaptive"]] == [r.N for r in rounds]
     # a rerun (after a stop, or the same command again) draws nothing and reaches the same verdict
     before = oracle.sample_calls
     _, again, why2 = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "samples2", 300, tmp_path / "ck",

@@ -11,9 +11,9 @@ import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
-from nv.phase1.pipeline import common_set
+from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import collect, iter_shards, load_samples, observed_mask
+from nv.phase1.sampling import collect, iter_shards, load_samples, observed_mask, thin
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -202,9 +202,14 @@ def test_a_full_disk_is_a_one_line_error_and_the_rerun_resumes(lm32, tmp_path, c
 
 def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     sim = Simulator(lm32)
-    kw = dict(N=20000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=10, progress=False)
-    S = load_samples(collect(sim, ["abcde", "⠓ꦂ🜁ᚠ∰"], out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw))
+    kw = dict(N=20000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=1, progress=False)
+    folder = collect(sim, ["abcde", "⠓ꦂ🜁ᚠ∰"], out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    S = load_samples(folder)
     sub = S.subsample(2000, seed=1)
+    # thinned on disk a shard at a time (one prompt each here): the same draws
+    streamed = load_samples(thin(folder, tmp_path / "t", 2000, seed=1))
+    assert streamed.N == 2000 and all(np.array_equal(getattr(getattr(streamed, m), f), getattr(getattr(sub, m), f))
+                                      for m in ("counts", "logprobs") for f in ("data", "indices", "indptr"))
     assert np.all(np.asarray(sub.counts.sum(axis=1)).ravel() == 2000)
     assert (sub.counts > S.counts).nnz == 0  # never more draws of a token than in the full run
     full = {(q, t): y for q, t, y in zip(*S.logprobs.nonzero(), S.logprobs.data)}
@@ -241,6 +246,8 @@ def test_streamed_mask_and_columns_match_the_full_matrix(lm32, tmp_path):
     kept[pruned.cols] = True
     streamed = common_set(load_samples(folder, columns=kept), pruned)
     assert whole.Y.shape[1] > 10 and np.array_equal(whole.Y, streamed.Y)
+    of_folder, part = common_set_of(folder)
+    assert np.array_equal(of_folder.Y, whole.Y) and part.counts.nnz < S.counts.nnz and part.budget() == S.budget()
 
 
 def test_diverse_mode_draws_fresh_prompts_every_round(sim):

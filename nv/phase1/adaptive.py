@@ -3,7 +3,11 @@
 Rounds of sampling at growing N (N_0, growth x N_0, ..., capped at ``N_max``): round r draws the
 N_r - N_{r-1} new calls per prompt with its own seed, so the rounds together are the first N_r calls of one
 nested sample (a sum of independent multinomials is the multinomial of the sum). After each round the merged
-Y_hat is pruned to its common set and given to the robust estimator. Stop rule: the estimate is saturated at
+Y_hat is pruned to its common set and given to the robust estimator. The merged sample lives on disk (a sampling
+folder under ``adaptive-merged``, rewritten each round a shard at a time, as is its check's thinned copy): a round
+holds the observation mask for the pruning (5 bytes an entry) and the common set's columns, not the sample's values
+(12 bytes an entry, twice that while merging). On disk it takes ~12 bytes an entry, up to three times while a
+merge or a check is written. Stop rule: the estimate is saturated at
 N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no new calls), saturated again with
 d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
 would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
@@ -23,7 +27,9 @@ round runs forward passes.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,8 +41,8 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
-from nv.phase1.pipeline import common_set, estimate_on
-from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples
+from nv.phase1.pipeline import common_set_of, estimate_on
+from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, thin, write_samples
 from nv.phase1.spectrum import SpectrumEstimate
 
 
@@ -66,34 +72,29 @@ def round_seed(seed: int, r: int) -> int:
     return int(np.random.SeedSequence([seed, r]).generate_state(1)[0])
 
 
-def merge(a: SampledMatrix, folder: Path) -> SampledMatrix:
-    """Y_hat of the union of sample ``a`` and the sample in ``folder`` (a round's, of the same prompts): counts add; a
-    token's log-prob is the count-weighted mean of their values (equal on an exact oracle; an average against a noisy
-    one). The folder is read shard by shard (``iter_shards``) into arrays sized for every entry of both and shrunk in
-    place (``SampledMatrix.subsample``'s way): the merge holds ``a``, the union (12 bytes per entry each) and one shard
-    of the round, never the whole round or a float64 or int64 copy of either."""
-    meta, nnz, shards = iter_shards(folder)
-    if a.counts.shape != (meta["D"], meta["vocab_size"]):
-        raise NVError(f"adaptive sampling: rounds of shapes {a.counts.shape} and {(meta['D'], meta['vocab_size'])} cannot merge")
-    size = a.counts.nnz + nnz  # the union has at most this many entries; untouched pages stay unallocated
-    indices, counts, logprobs = np.empty(size, np.int32), np.empty(size, np.int32), np.empty(size, np.float32)
-    indptr = np.zeros(a.D + 1, dtype=np.int64)
-    for s, b_counts, b_logprobs in shards:
-        rows = slice(s, s + b_counts.shape[0])
-        c = (a.counts[rows].astype(np.int64) + b_counts).tocsr()
-        w = (a.logprobs[rows].astype(np.float64).multiply(a.counts[rows]) + b_logprobs.multiply(b_counts)).tocsr()
-        c.sort_indices()
-        w.sort_indices()
-        if not (np.array_equal(c.indptr, w.indptr) and np.array_equal(c.indices, w.indices)):
-            raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
-        start, stop = indptr[s], indptr[s] + c.nnz
-        indices[start:stop], counts[start:stop], logprobs[start:stop] = c.indices, c.data, w.data / c.data
-        indptr[s + 1 : rows.stop + 1] = start + c.indptr[1:]
-    for x in (indices, counts, logprobs):
-        x.resize(indptr[-1], refcheck=False)
-    shape = a.counts.shape
-    return SampledMatrix(sp.csr_matrix((logprobs, indices, indptr), shape=shape), sp.csr_matrix((counts, indices, indptr), shape=shape),
-                         a.prompt_tokens, a.N + meta["N"], a.temperature)
+def merge(a: Path, b: Path, out: Path) -> Path:
+    """Y_hat of the union of the samples in folders ``a`` and ``b`` (of the same prompts: the rounds merged so far
+    and the next one), written to ``out`` in ``b``'s shards: counts add; a token's log-prob is the count-weighted mean
+    of their values (equal on an exact oracle; an average against a noisy one). Both are read a few rows at a time
+    (``iter_shards``): memory holds a shard of each and their union, never a sample."""
+    meta_b, _, rows_b = iter_shards(b)
+    meta_a, _, rows_a = iter_shards(a, meta_b["chunk"])
+    if (meta_a["D"], meta_a["vocab_size"]) != (meta_b["D"], meta_b["vocab_size"]):
+        raise NVError(f"adaptive sampling: rounds of shapes {(meta_a['D'], meta_a['vocab_size'])} and "
+                      f"{(meta_b['D'], meta_b['vocab_size'])} cannot merge")
+
+    def union():
+        for (_, a_counts, a_logprobs, prompt_tokens), (_, b_counts, b_logprobs, _) in zip(rows_a, rows_b):
+            c = (a_counts.astype(np.int64) + b_counts).tocsr()
+            w = (a_logprobs.astype(np.float64).multiply(a_counts) + b_logprobs.multiply(b_counts)).tocsr()
+            c.sort_indices()
+            w.sort_indices()
+            if not (np.array_equal(c.indptr, w.indptr) and np.array_equal(c.indices, w.indices)):
+                raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
+            yield c, sp.csr_matrix((w.data / c.data, c.indices, c.indptr), shape=c.shape), prompt_tokens
+
+    meta = {k: meta_b[k] for k in MANIFEST_KEYS} | {"N": meta_a["N"] + meta_b["N"], "temperature": meta_a["temperature"]}
+    return write_samples(out, meta, union())
 
 
 @dataclass
@@ -170,7 +171,8 @@ def sample_adaptive(
     N_max, growth = sampling["N_max"], sampling["growth"]
     N, previous = sampling["N0"], 0
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
-    rounds, merged = [], None
+    work = Path(checkpoint_root) / "adaptive-merged"  # the rounds merged so far and the check's thinned copy
+    rounds, merged, S = [], None, None  # S: the merged sample's common-set columns (its prompts' tokens, N, cost)
     with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)
         for r in itertools.count():
             delta = N - previous
@@ -181,17 +183,23 @@ def sample_adaptive(
                 try:
                     collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
                             checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
-                            progress=progress, prompt_tokens=None if merged is None else merged.prompt_tokens,
+                            progress=progress, prompt_tokens=None if S is None else S.prompt_tokens,
                             desc=f"round {r}: N {previous:,} -> {N:,}")
                 except BudgetExhausted as exc:
                     if merged is None:
                         raise
-                    why = f"round {r} (N = {N:,}, {_tokens(merged, delta):.3g} more tokens) not affordable: {exc}"
+                    why = f"round {r} (N = {N:,}, {_tokens(S, delta):.3g} more tokens) not affordable: {exc}"
                     report(f"stopped: {why}")
                     break
-            merged = load_samples(folder) if merged is None else merge(merged, folder)
-            done, stable = assess(r, *round_estimate(common_set(merged).Y, robust), merged.budget(), robust,
-                                  lambda n: common_set(merged.subsample(n, seed)).Y)
+            if merged is None:
+                merged = folder
+            else:  # on disk, not in memory: a round's estimate holds the mask of the merged sample, not its values
+                merged = merge(merged, folder, work / f"merged-{r}")
+                shutil.rmtree(work / f"merged-{r - 1}", ignore_errors=True)
+            common, S = common_set_of(merged)
+            done, stable = assess(r, *round_estimate(common.Y, robust), S.budget(), robust,
+                                  lambda n: common_set_of(thin(merged, work / "check", n, seed))[0].Y)
+            del common
             rounds.append(done)
             report(done.line())
             nxt = after(done, stable, N_max, growth)
@@ -200,22 +208,35 @@ def sample_adaptive(
                 if not stable:  # what going on would cost, at the prompts' measured tokens
                     more = next_budget(N, done.saturated, sys.maxsize, growth)
                     report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
-                           f"would cost {_tokens(merged, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
+                           f"would cost {_tokens(S, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
                            "the same command")
                 break
             previous, N = N, nxt
-    save_samples(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why})
+    _publish(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why}, move=merged.parent == work)
+    shutil.rmtree(work, ignore_errors=True)
     return Path(out_dir), rounds, why
 
 
-def _tokens(merged: SampledMatrix, calls: int) -> int:
-    """§5 tokens of ``calls`` more calls per prompt of ``merged``, at its prompts' measured tokens (prompt + 1 each)."""
-    return int((merged.prompt_tokens.astype(np.int64) + 1).sum()) * calls
+def _publish(merged: Path, out_dir: Path, extra: dict, move: bool) -> None:
+    """The merged sample as the loop's output folder, its manifest with ``extra`` (the rounds, the stop): moved there
+    from the work folder, or copied (``move`` false: round 0's own folder, kept for a rerun)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    (shutil.move if move else shutil.copytree)(str(merged), str(out_dir))
+    meta = json.loads((out_dir / MANIFEST).read_text())
+    (out_dir / MANIFEST).write_text(json.dumps({k: meta[k] for k in MANIFEST_KEYS} | extra, indent=2, ensure_ascii=False) + "\n")
+
+
+def _tokens(S: SampledMatrix, calls: int) -> int:
+    """§5 tokens of ``calls`` more calls per prompt of sample ``S``, at its prompts' measured tokens (prompt + 1 each)."""
+    return int((S.prompt_tokens.astype(np.int64) + 1).sum()) * calls
 
 
 def _finished(folder: Path, N: int, D: int) -> bool:
     """A round already sampled (a rerun after a stop): its manifest has this round's N and D and every shard is intact
-    (``iter_shards``'s checks; the round itself is read once, by ``merge``)."""
+    (``iter_shards``'s checks; the round itself is read once, where it is merged)."""
     try:
         meta, _, _ = iter_shards(folder)
     except NVError:

@@ -16,7 +16,7 @@ from nv.outputs import write_json
 from nv.plots import save
 from nv.plots.phase1 import spectrum_panels
 from nv.phase1.prune import Pruned, greedy_prune
-from nv.phase1.sampling import SampledMatrix, collect, load_samples
+from nv.phase1.sampling import SampledMatrix, collect, load_samples, observed_mask
 from nv.phase1.search import search_prompts
 from nv.phase1.spectrum import SpectrumEstimate, estimate, snap
 
@@ -35,6 +35,18 @@ def common_set(sampled: SampledMatrix, pruned: Pruned | None = None) -> CommonSe
     pruned = greedy_prune(sampled.counts) if pruned is None else pruned
     Y = sampled.logprobs[:, pruned.cols][pruned.rows].toarray().astype(np.float64)
     return CommonSet(Y, pruned)
+
+
+def common_set_of(folder: Path) -> tuple[CommonSet, SampledMatrix]:
+    """``common_set`` of a sampling folder without holding its Y_hat: greedy pruning of the observation mask
+    (``observed_mask``, 5 bytes an entry), then only the common set's columns read. Returns it and that part of the
+    sample (its prompts' tokens, N and cost whole)."""
+    mask = observed_mask(folder)
+    pruned, columns = greedy_prune(mask), np.zeros(mask.shape[1], dtype=bool)
+    del mask
+    columns[pruned.cols] = True
+    sampled = load_samples(folder, columns)
+    return common_set(sampled, pruned), sampled
 
 
 def estimate_on(Y: np.ndarray, method: str, hyper: dict) -> SpectrumEstimate:

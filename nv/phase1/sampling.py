@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.errors import NPZ_ERRORS, NVError
-from nv.oracle.base import BudgetExhausted, Oracle, Samples
+from nv.oracle.base import BudgetExhausted, Oracle
 
 MANIFEST = "manifest.json"
 
@@ -65,29 +65,37 @@ class SampledMatrix:
         if N == self.N:
             return self if then is None else self.subsample(then, seed)
         rng, rng_then = np.random.default_rng(seed), np.random.default_rng(seed)
-        indptr = self.counts.indptr
-        # row by row into arrays sized for every entry, then shrunk in place (realloc): only the kept entries are
-        # ever written, so resident memory is the thinned sample alone, not an nnz-sized draw and keep mask beside it
-        out = {"counts": np.empty_like(self.counts.data), "indices": np.empty_like(self.counts.indices),
-               "logprobs": np.empty_like(self.logprobs.data)}
-        new_indptr = np.zeros(self.D + 1, dtype=np.int64)
-        for q in range(self.D):
-            row = slice(indptr[q], indptr[q + 1])
-            drawn = rng.multivariate_hypergeometric(self.counts.data[row], N)
-            keep = drawn > 0
-            if then is not None:  # the N-call row's own thinning, as its subsample draws it
-                drawn[keep] = rng_then.multivariate_hypergeometric(drawn[keep], then)
-                keep = drawn > 0
-            start, stop = new_indptr[q], new_indptr[q] + np.count_nonzero(keep)
-            out["counts"][start:stop] = drawn[keep]
-            out["indices"][start:stop] = self.counts.indices[row][keep]
-            out["logprobs"][start:stop] = self.logprobs.data[row][keep]
-            new_indptr[q + 1] = stop
-        for a in out.values():
-            a.resize(new_indptr[-1], refcheck=False)
-        counts = sp.csr_matrix((out["counts"], out["indices"], new_indptr), shape=self.counts.shape)
-        logprobs = sp.csr_matrix((out["logprobs"], out["indices"], new_indptr), shape=self.counts.shape)
+        counts, logprobs = _thinned(self.counts, self.logprobs, N, rng, then, rng_then)
         return SampledMatrix(logprobs, counts, self.prompt_tokens, then or N, self.temperature)
+
+
+def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.random.Generator, then: int | None = None,
+             rng_then: np.random.Generator | None = None) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """Rows of Y_hat (counts, log-probs) thinned to N calls each, drawing from ``rng`` row after row (and then to
+    ``then`` from ``rng_then``): the same draws whether the rows come whole (``SampledMatrix.subsample``) or a shard
+    at a time with the generators carried on (``thin``)."""
+    indptr = counts.indptr
+    # row by row into arrays sized for every entry, then shrunk in place (realloc): only the kept entries are
+    # ever written, so resident memory is the thinned sample alone, not an nnz-sized draw and keep mask beside it
+    out = {"counts": np.empty_like(counts.data), "indices": np.empty_like(counts.indices),
+           "logprobs": np.empty_like(logprobs.data)}
+    new_indptr = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    for q in range(counts.shape[0]):
+        row = slice(indptr[q], indptr[q + 1])
+        drawn = rng.multivariate_hypergeometric(counts.data[row], N)
+        keep = drawn > 0
+        if then is not None:  # the N-call row's own thinning, as its subsample draws it
+            drawn[keep] = rng_then.multivariate_hypergeometric(drawn[keep], then)
+            keep = drawn > 0
+        start, stop = new_indptr[q], new_indptr[q] + np.count_nonzero(keep)
+        out["counts"][start:stop] = drawn[keep]
+        out["indices"][start:stop] = counts.indices[row][keep]
+        out["logprobs"][start:stop] = logprobs.data[row][keep]
+        new_indptr[q + 1] = stop
+    for a in out.values():
+        a.resize(new_indptr[-1], refcheck=False)
+    return (sp.csr_matrix((out["counts"], out["indices"], new_indptr), shape=counts.shape),
+            sp.csr_matrix((out["logprobs"], out["indices"], new_indptr), shape=counts.shape))
 
 
 def _key(meta: dict) -> str:
@@ -95,20 +103,20 @@ def _key(meta: dict) -> str:
 
 
 def _save_shard(path: Path, samples, vocab_size: int) -> None:
-    """Write one shard of ``samples`` atomically: a temporary file, then a rename."""
+    """Write one shard of the oracle's ``samples`` (one per prompt), atomically (``_save_rows``)."""
     indptr = np.zeros(len(samples) + 1, dtype=np.int64)
     indptr[1:] = np.cumsum([len(s.token_ids) for s in samples])
+    _save_rows(path, indptr, np.concatenate([s.token_ids for s in samples]), np.concatenate([s.logprobs for s in samples]),
+               np.concatenate([s.counts for s in samples]), np.array([s.prompt_tokens for s in samples]), vocab_size)
+
+
+def _save_rows(path: Path, indptr, indices, logprobs, counts, prompt_tokens, vocab_size: int) -> None:
+    """Write one shard (CSR arrays of its rows and their prompts' tokens) atomically: a temporary file, then a rename."""
     tmp = path.with_suffix(".tmp.npz")
     try:
-        np.savez(
-            tmp,
-            indptr=indptr,
-            indices=np.concatenate([s.token_ids for s in samples]).astype(np.int32),
-            logprobs=np.concatenate([s.logprobs for s in samples]).astype(np.float32),
-            counts=np.concatenate([s.counts for s in samples]).astype(np.int32),
-            prompt_tokens=np.array([s.prompt_tokens for s in samples], dtype=np.int32),
-            vocab_size=vocab_size,
-        )
+        np.savez(tmp, indptr=np.asarray(indptr, dtype=np.int64), indices=np.asarray(indices, dtype=np.int32),
+                 logprobs=np.asarray(logprobs, dtype=np.float32), counts=np.asarray(counts, dtype=np.int32),
+                 prompt_tokens=np.asarray(prompt_tokens, dtype=np.int32), vocab_size=vocab_size)
     except BaseException as exc:  # a torn file (a full disk, Ctrl-C) is not left to hold the space
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError) and not exc.filename:  # zipfile's close names no file
@@ -119,6 +127,7 @@ def _save_shard(path: Path, samples, vocab_size: int) -> None:
 
 SHARD_FIELDS = {"indptr", "indices", "counts", "logprobs", "prompt_tokens"}
 MANIFEST_INTS = ("N", "chunk", "D", "vocab_size")
+MANIFEST_KEYS = ("N", "temperature", "chunk", "D", "vocab_size")  # a sample's own; a round's adds its seed and identity
 
 
 def _length(z, name: str) -> int:
@@ -209,19 +218,32 @@ def collect(
 
 def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None, chunk: int = 100) -> Path:
     """Write Y_hat as ``collect`` does (shards of ``chunk`` prompts and a manifest with ``extra``), for a matrix
-    assembled from several sampling folders (``nv.phase1.adaptive``); ``load_samples`` reads it back."""
+    assembled in memory; ``load_samples`` reads it back."""
+    blocks = ((S.counts[s : s + chunk], S.logprobs[s : s + chunk], S.prompt_tokens[s : s + chunk]) for s in range(0, S.D, chunk))
+    return write_samples(folder, {"N": S.N, "temperature": S.temperature, "chunk": chunk, "D": S.D,
+                                  "vocab_size": S.counts.shape[1], **(extra or {})}, blocks)
+
+
+def write_samples(folder: str | Path, meta: dict, blocks: Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]) -> Path:
+    """A sampling folder from ``blocks`` of ``meta["chunk"]`` rows each (the last may be shorter): (counts,
+    log-probs, prompt tokens) of each, in row order; ``meta`` is its manifest. Written beside ``folder`` and renamed
+    into place once whole, so an interrupted write leaves no folder that passes for a finished one."""
     folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    start = 0
+    for counts, logprobs, prompt_tokens in blocks:
+        if not (np.array_equal(counts.indptr, logprobs.indptr) and np.array_equal(counts.indices, logprobs.indices)):
+            raise NVError("a sample's log-prob and count patterns differ")
+        _save_rows(partial / f"shard-{start:07d}.npz", counts.indptr - counts.indptr[0], counts.indices, logprobs.data,
+                   counts.data, prompt_tokens, meta["vocab_size"])
+        start += counts.shape[0]
+    (partial / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     if folder.exists():
         shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    for s in range(0, S.D, chunk):
-        rows = range(s, min(S.D, s + chunk))
-        samples = [Samples(S.counts.indices[S.counts.indptr[q]:S.counts.indptr[q + 1]],
-                           S.logprobs.data[S.logprobs.indptr[q]:S.logprobs.indptr[q + 1]],
-                           S.counts.data[S.counts.indptr[q]:S.counts.indptr[q + 1]], int(S.prompt_tokens[q])) for q in rows]
-        _save_shard(folder / f"shard-{s:07d}.npz", samples, S.counts.shape[1])
-    meta = {"N": S.N, "temperature": S.temperature, "chunk": chunk, "D": S.D, "vocab_size": S.counts.shape[1], **(extra or {})}
-    (folder / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    partial.rename(folder)
     return folder
 
 
@@ -302,12 +324,14 @@ def observed_mask(folder: str | Path) -> sp.csr_matrix:
     return sp.csr_matrix((np.ones(a["indices"].size, dtype=bool), a["indices"], a["indptr"]), shape=(meta["D"], meta["vocab_size"]))
 
 
-def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]]:
-    """Y_hat of ``folder`` one shard at a time, for work that needs a few of its rows in memory at once: the manifest,
-    the number of entries in all, and an iterator of (first row, counts, log-probs) of each shard's rows (CSR)."""
+def iter_shards(folder: str | Path, chunk: int | None = None
+                ) -> tuple[dict, int, Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]]:
+    """Y_hat of ``folder`` a few rows at a time, for work that needs no more in memory at once: the manifest, the number
+    of entries in all, and an iterator of (first row, counts, log-probs, prompt tokens) of each shard's rows (CSR), or
+    of each block of ``chunk`` rows where given (the shards of another folder, whatever this one's own)."""
     meta, paths, nnz = _shards(Path(folder))
 
-    def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix]]:
+    def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
         row = 0
         for path in paths:
             with _reading(path) as z:
@@ -315,10 +339,33 @@ def iter_shards(folder: str | Path) -> tuple[dict, int, Iterator[tuple[int, sp.c
                 shape = (len(indptr) - 1, meta["vocab_size"])
                 counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
                 logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
-            yield row, counts, logprobs
+                prompt_tokens = z["prompt_tokens"]
+            yield row, counts, logprobs, prompt_tokens
             row += shape[0]
 
-    return meta, nnz, shards()
+    def blocks() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
+        held, row = None, 0  # rows read and not yet given: counts, log-probs, prompt tokens
+        for _, *part in shards():
+            held = part if held is None else [sp.vstack([held[0], part[0]], format="csr"),
+                                              sp.vstack([held[1], part[1]], format="csr"), np.concatenate([held[2], part[2]])]
+            while held is not None and (held[0].shape[0] >= chunk or row + held[0].shape[0] == meta["D"]):
+                n = min(chunk, held[0].shape[0])
+                yield row, held[0][:n], held[1][:n], held[2][:n]
+                row += n
+                held = [x[n:] for x in held] if held[0].shape[0] > n else None
+
+    return meta, nnz, shards() if chunk is None or chunk == meta["chunk"] else blocks()
+
+
+def thin(folder: str | Path, out: str | Path, N: int, seed: int) -> Path:
+    """``load_samples(folder).subsample(N, seed)`` written to ``out``, a shard at a time (the same draws, without
+    holding either sample); returns ``out``."""
+    meta, _, shards = iter_shards(folder)
+    if not 1 <= N <= meta["N"]:
+        raise NVError(f"sub-budget N must be in [1, {meta['N']}], got {N}")
+    rng = np.random.default_rng(seed)
+    return write_samples(out, {k: meta[k] for k in MANIFEST_KEYS} | {"N": N},
+                         (_thinned(counts, logprobs, N, rng) + (prompt_tokens,) for _, counts, logprobs, prompt_tokens in shards))
 
 
 def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
