@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from nv.errors import NVError
 from nv.oracle.journal import Journal
 from nv.oracle.http import Budget, HTTPOracle, split_credentials
@@ -271,9 +273,9 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         # which calls phase 2 makes follows from phase 1's d_hat (its sweep), known only once phase 1 ends
         with oracle.holding(phase2["requests"], phase2["tokens_billed"]):
             samples, search_cost, adaptive = search_and_sample(oracle, params, out, out / ".checkpoints", progress)
-        record, sampled = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out)
+        record, _ = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out, whole=False)
         prompts = json.loads((out / "prompts.json").read_text())
-        record.update(live_fields(oracle, record, prompts, sampled))
+        record.update(live_fields(oracle, record, prompts, samples))
         if timing is not None:
             from nv.phase2.live import timing_phase
 
@@ -292,11 +294,16 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         journal.close()
 
 
-def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], sampled) -> dict:
+def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], samples: Path) -> dict:
     """The report's endpoint fields. Everything but ``http`` is a function of the journal and the
-    data, so a resumed or fault-ridden run reports the same; ``http`` is this process's traffic."""
+    data (``samples``: phase 1's folder, of which only the greedy tokens' columns are read), so a resumed or
+    fault-ridden run reports the same; ``http`` is this process's traffic."""
+    from nv.phase1.sampling import load_samples
     from nv.phase1.sweep import d_interval
 
+    greedy = np.zeros(oracle.vocab_size, dtype=bool)
+    greedy[[col for col, _ in oracle.greedy.values() if col >= 0]] = True
+    sampled = load_samples(samples, greedy)
     billed = oracle.provider_cost
     sad, peak = record["i_sad"], record["i_peak"]
     lo, hi = d_interval(record["d_hat_raw"], record["lower_bound"])

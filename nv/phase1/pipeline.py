@@ -145,12 +145,17 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
 
 
 def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_true: int | None, search_cost: dict,
-                        adaptive: dict, out_dir: Path) -> tuple[dict, SampledMatrix]:
+                        adaptive: dict, out_dir: Path, whole: bool = True) -> tuple[dict, SampledMatrix]:
     """Pruning and both estimators (Alg. 1 lines 6-7, Alg. 2) on the samples: writes ``report.json`` and
-    ``spectrum.png`` under ``out_dir``; returns the report and the samples. No oracle is needed (its model may be
-    freed first); ``d_true`` (white-box) fills the error columns only."""
-    sampled = load_samples(samples_dir)
-    common = common_set(sampled)
+    ``spectrum.png`` under ``out_dir``; returns the report and the samples: read back whole (a budget sweep's need),
+    or with ``whole`` false only the common set's columns (``common_set_of``: memory holds the observation mask, not
+    the sample's values). No oracle is needed (its model may be freed first); ``d_true`` (white-box) fills the error
+    columns only."""
+    if whole:
+        sampled = load_samples(samples_dir)
+        common = common_set(sampled)
+    else:
+        common, sampled = common_set_of(samples_dir)
     estimates = estimate_both(common.Y, spectrum)
     record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
     write_json(out_dir / "report.json", record)
@@ -162,4 +167,5 @@ def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None
     """The whole phase on any oracle: search, sampling (checkpointed under ``out_dir/.checkpoints``), pruning,
     spectrum. Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report."""
     samples_dir, search_cost, adaptive = search_and_sample(oracle, params, out_dir, out_dir / ".checkpoints", progress)
-    return estimate_and_report(samples_dir, params["spectrum"], model_name, d_true, search_cost, adaptive, out_dir)[0]
+    return estimate_and_report(samples_dir, params["spectrum"], model_name, d_true, search_cost, adaptive, out_dir,
+                               whole=False)[0]
