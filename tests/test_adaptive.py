@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from nv.errors import NVError
 from nv.oracle import Simulator
@@ -77,18 +78,31 @@ def test_merged_rounds_are_one_nested_sample(tmp_path):
                          tmp_path / "short")
     with pytest.raises(NVError, match="cannot merge"):
         merge(short, tmp_path / "r1", tmp_path / "m3")
-    # a merge stopped part-way (Ctrl-C, a full disk) leaves no folder that passes for a merged one; a rerun's replaces it
-    rows = iter_shards(tmp_path / "r1")[2]
+    # a log-prob of exactly 0 (a token of probability 1 in float32) is merged like any other
+    lp = parts[1].logprobs
+    zero = sp.csr_matrix((np.zeros_like(lp.data), lp.indices, lp.indptr), shape=lp.shape)
+    certain = save_samples(SampledMatrix(zero, parts[1].counts, parts[1].prompt_tokens, 700, 2.0), tmp_path / "certain")
+    sure = load_samples(merge(tmp_path / "r0", certain, tmp_path / "m5"))
+    only_second = (cb > 0) & (ca == 0)
+    assert (sure.counts != merged.counts).nnz == 0 and only_second.any()
+    np.testing.assert_array_equal(sure.logprobs.toarray()[only_second], 0.0)
+    np.testing.assert_allclose(sure.logprobs.toarray()[seen], (la * ca)[seen] / (ca + cb)[seen], rtol=1e-6)
+    # a write stopped part-way (Ctrl-C, a full disk) or given rows that do not make up the sample leaves no folder that
+    # passes for a merged one, nor the part written
+    rows = iter_shards(tmp_path / "r1")[1]
 
     def cut():
-        yield next(rows)[1:]
+        yield next(rows)
         raise KeyboardInterrupt
 
+    meta = {"N": 700, "temperature": 2.0, "chunk": 5, "D": 10, "vocab_size": 300}
     with pytest.raises(KeyboardInterrupt):
-        write_samples(tmp_path / "m4", {"N": 700, "temperature": 2.0, "chunk": 5, "D": 10, "vocab_size": 300}, cut())
-    assert not (tmp_path / "m4").exists() and (tmp_path / "m4.partial").exists()
-    assert load_samples(merge(tmp_path / "r0", tmp_path / "r1", tmp_path / "m4")).N == 1000
-    assert not (tmp_path / "m4.partial").exists()
+        write_samples(tmp_path / "m4", meta, cut())
+    with pytest.raises(NVError, match="blocks end at row 5, not at its D = 10"):
+        write_samples(tmp_path / "m4", meta, iter([next(iter_shards(tmp_path / "r1")[1])]))
+    with pytest.raises(NVError, match="block at row 0 is not 5 rows"):
+        write_samples(tmp_path / "m4", meta, iter_shards(tmp_path / "r1", 3)[1])
+    assert not (tmp_path / "m4").exists() and not (tmp_path / "m4.partial").exists()
     assert round_seed(0, 0) != round_seed(0, 1) and round_seed(0, 1) == round_seed(0, 1)
 
 
@@ -137,6 +151,28 @@ def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):
                                      {"m": "toy"}, progress=False, report=lambda line: None)
     assert why == "N_max" and [r.N for r in rounds] == [100, 200]
     assert not rounds[-1].saturated and rounds[-1].d_hat_raw is None and 0 <= rounds[-1].lower_bound <= 12
+
+
+def test_a_stopped_loop_leaves_its_rounds_and_no_merged_sample(tmp_path):
+    """Ctrl-C in round 2: the finished rounds stay for the rerun, the merged sample on disk does not (it is rebuilt
+    from them), and the rerun samples only round 2 onwards."""
+
+    class Stopped(LowRankOracle):
+        def sample(self, prompts, n, temperature, seeds):
+            if n == 200:  # round 2's draws (N 200 -> 400)
+                raise KeyboardInterrupt
+            return super().sample(prompts, n, temperature, seeds)
+
+    sampling = {"N0": 100, "N_max": 400, "growth": 2.0, "temperature": 2.0, "chunk": 40}
+    with pytest.raises(KeyboardInterrupt):
+        sample_adaptive(Stopped(), PROMPTS, sampling, ROBUST, 0, tmp_path / "s", 300, tmp_path / "ck", {"m": "toy"},
+                        progress=False, report=lambda line: None)
+    assert sorted(f.name.split("-")[1] for f in (tmp_path / "ck" / "adaptive").iterdir()) == ["0", "1"]
+    assert not (tmp_path / "ck" / "adaptive-merged").exists() and not (tmp_path / "s").exists()
+    oracle = LowRankOracle()
+    _, rounds, _ = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "s", 300, tmp_path / "ck", {"m": "toy"},
+                                   progress=False, report=lambda line: None)
+    assert [r.N for r in rounds] == [100, 200, 400] and oracle.sample_calls == len(PROMPTS)  # round 2 alone
 
 
 def test_on_the_simulator_the_rounds_share_one_forward_pass_per_batch(lm32, tmp_path):

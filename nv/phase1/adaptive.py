@@ -6,8 +6,8 @@ nested sample (a sum of independent multinomials is the multinomial of the sum).
 Y_hat is pruned to its common set and given to the robust estimator. The merged sample lives on disk (a sampling
 folder under ``adaptive-merged``, rewritten each round a shard at a time, as is its check's thinned copy): a round
 holds the observation mask for the pruning (5 bytes an entry) and the common set's columns, not the sample's values
-(12 bytes an entry, twice that while merging). On disk it takes ~12 bytes an entry, up to three times while a
-merge or a check is written. Stop rule: the estimate is saturated at
+(12 bytes an entry, twice that while merging). On disk it takes ~12 bytes an entry, beside the rounds' own folders,
+up to twice that while the next merge or the check is written; the folder is removed when the loop ends or stops. Stop rule: the estimate is saturated at
 N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no new calls), saturated again with
 d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
 would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
 from nv.phase1.pipeline import common_set_of, estimate_on
-from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, thin, write_samples
+from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, place, thin, write_samples
 from nv.phase1.spectrum import SpectrumEstimate
 
 
@@ -77,24 +77,35 @@ def merge(a: Path, b: Path, out: Path) -> Path:
     and the next one), written to ``out`` in ``b``'s shards: counts add; a token's log-prob is the count-weighted mean
     of their values (equal on an exact oracle; an average against a noisy one). Both are read a few rows at a time
     (``iter_shards``): memory holds a shard of each and their union, never a sample."""
-    meta_b, _, rows_b = iter_shards(b)
-    meta_a, _, rows_a = iter_shards(a, meta_b["chunk"])
+    meta_b, rows_b = iter_shards(b)
+    meta_a, rows_a = iter_shards(a, meta_b["chunk"])
     if (meta_a["D"], meta_a["vocab_size"]) != (meta_b["D"], meta_b["vocab_size"]):
         raise NVError(f"adaptive sampling: rounds of shapes {(meta_a['D'], meta_a['vocab_size'])} and "
                       f"{(meta_b['D'], meta_b['vocab_size'])} cannot merge")
 
     def union():
-        for (_, a_counts, a_logprobs, prompt_tokens), (_, b_counts, b_logprobs, _) in zip(rows_a, rows_b):
-            c = (a_counts.astype(np.int64) + b_counts).tocsr()
+        for (a_counts, a_logprobs, prompt_tokens), (b_counts, b_logprobs, _) in zip(rows_a, rows_b):
+            counts = (a_counts.astype(np.int64) + b_counts).tocsr()  # counts >= 1: the pattern is the union
             w = (a_logprobs.astype(np.float64).multiply(a_counts) + b_logprobs.multiply(b_counts)).tocsr()
-            c.sort_indices()
+            counts.sort_indices()
             w.sort_indices()
-            if not (np.array_equal(c.indptr, w.indptr) and np.array_equal(c.indices, w.indices)):
-                raise NVError("adaptive sampling: the rounds' log-prob and count patterns differ")
-            yield c, sp.csr_matrix((w.data / c.data, c.indices, c.indptr), shape=c.shape), prompt_tokens
+            # a sparse sum drops the entries that come to exactly 0 (log-prob 0: a token of probability 1 in float32),
+            # and only those (log-probs are <= 0): they are put back as 0 on the union's pattern
+            weighted = w.data if w.nnz == counts.nnz else _on_pattern(w, counts)
+            yield counts, sp.csr_matrix((weighted / counts.data, counts.indices, counts.indptr), shape=counts.shape), prompt_tokens
 
     meta = {k: meta_b[k] for k in MANIFEST_KEYS} | {"N": meta_a["N"] + meta_b["N"], "temperature": meta_a["temperature"]}
     return write_samples(out, meta, union())
+
+
+def _on_pattern(m: sp.csr_matrix, pattern: sp.csr_matrix) -> np.ndarray:
+    """The values of ``m`` on the (sorted) pattern of ``pattern``, which holds ``m``'s: 0 where ``m`` stores none."""
+    def keys(x: sp.csr_matrix) -> np.ndarray:  # row x |V| + column of each stored entry, ascending
+        return np.repeat(np.arange(x.shape[0], dtype=np.int64), np.diff(x.indptr)) * x.shape[1] + x.indices
+
+    out = np.zeros(pattern.nnz)
+    out[np.searchsorted(keys(pattern), keys(m))] = m.data
+    return out
 
 
 @dataclass
@@ -173,60 +184,61 @@ def sample_adaptive(
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
     work = Path(checkpoint_root) / "adaptive-merged"  # the rounds merged so far and the check's thinned copy
     rounds, merged, S = [], None, None  # S: the merged sample's common-set columns (its prompts' tokens, N, cost)
-    with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)
-        for r in itertools.count():
-            delta = N - previous
-            folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
-            if not _finished(folder, delta, len(prompts)):
-                # a round the budget cannot finish is not started (its cost is known from the rounds before), and one
-                # that passes a cap all the same stops the loop with the rounds finished so far
-                try:
-                    collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
-                            checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
-                            progress=progress, prompt_tokens=None if S is None else S.prompt_tokens,
-                            desc=f"round {r}: N {previous:,} -> {N:,}")
-                except BudgetExhausted as exc:
-                    if merged is None:
-                        raise
-                    why = f"round {r} (N = {N:,}, {_tokens(S, delta):.3g} more tokens) not affordable: {exc}"
-                    report(f"stopped: {why}")
+    shutil.rmtree(work, ignore_errors=True)  # a stopped run's: rebuilt from the round folders
+    try:
+        with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)
+            for r in itertools.count():
+                delta = N - previous
+                folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
+                if not _finished(folder, delta, len(prompts)):
+                    # a round the budget cannot finish is not started (its cost is known from the rounds before), and one
+                    # that passes a cap all the same stops the loop with the rounds finished so far
+                    try:
+                        collect(oracle, prompts, delta, sampling["temperature"], round_seed(seed, r), folder, vocab_size,
+                                checkpoint_root=checkpoint_root, identity={**identity, "round": r}, chunk=sampling["chunk"],
+                                progress=progress, prompt_tokens=None if S is None else S.prompt_tokens,
+                                desc=f"round {r}: N {previous:,} -> {N:,}")
+                    except BudgetExhausted as exc:
+                        if merged is None:
+                            raise
+                        why = f"round {r} (N = {N:,}, {_tokens(S, delta):.3g} more tokens) not affordable: {exc}"
+                        report(f"stopped: {why}")
+                        break
+                if merged is None:
+                    merged = folder
+                else:  # on disk, not in memory: a round's estimate holds the mask of the merged sample, not its values
+                    merged = merge(merged, folder, work / f"merged-{r}")
+                    shutil.rmtree(work / f"merged-{r - 1}", ignore_errors=True)
+                common, S = common_set_of(merged)
+                done, stable = assess(r, *round_estimate(common.Y, robust), S.budget(), robust,
+                                      lambda n: common_set_of(thin(merged, work / "check", n, seed))[0].Y)
+                del common
+                shutil.rmtree(work / "check", ignore_errors=True)
+                rounds.append(done)
+                report(done.line())
+                nxt = after(done, stable, N_max, growth)
+                if nxt is None:
+                    why = "stable" if stable else "N_max"
+                    if not stable:  # what going on would cost, at the prompts' measured tokens
+                        more = next_budget(N, done.saturated, sys.maxsize, growth)
+                        report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
+                               f"would cost {_tokens(S, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
+                               "the same command")
                     break
-            if merged is None:
-                merged = folder
-            else:  # on disk, not in memory: a round's estimate holds the mask of the merged sample, not its values
-                merged = merge(merged, folder, work / f"merged-{r}")
-                shutil.rmtree(work / f"merged-{r - 1}", ignore_errors=True)
-            common, S = common_set_of(merged)
-            done, stable = assess(r, *round_estimate(common.Y, robust), S.budget(), robust,
-                                  lambda n: common_set_of(thin(merged, work / "check", n, seed))[0].Y)
-            del common
-            rounds.append(done)
-            report(done.line())
-            nxt = after(done, stable, N_max, growth)
-            if nxt is None:
-                why = "stable" if stable else "N_max"
-                if not stable:  # what going on would cost, at the prompts' measured tokens
-                    more = next_budget(N, done.saturated, sys.maxsize, growth)
-                    report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
-                           f"would cost {_tokens(S, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
-                           "the same command")
-                break
-            previous, N = N, nxt
-    _publish(merged, out_dir, {"adaptive": [asdict(x) for x in rounds], "stop": why}, move=merged.parent == work)
-    shutil.rmtree(work, ignore_errors=True)
+                previous, N = N, nxt
+        _publish(merged, work, Path(out_dir), {"adaptive": [asdict(x) for x in rounds], "stop": why})
+    finally:  # the merged samples and the check's copy, also when the loop is stopped
+        shutil.rmtree(work, ignore_errors=True)
     return Path(out_dir), rounds, why
 
 
-def _publish(merged: Path, out_dir: Path, extra: dict, move: bool) -> None:
-    """The merged sample as the loop's output folder, its manifest with ``extra`` (the rounds, the stop): moved there
-    from the work folder, or copied (``move`` false: round 0's own folder, kept for a rerun)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    (shutil.move if move else shutil.copytree)(str(merged), str(out_dir))
-    meta = json.loads((out_dir / MANIFEST).read_text())
-    (out_dir / MANIFEST).write_text(json.dumps({k: meta[k] for k in MANIFEST_KEYS} | extra, indent=2, ensure_ascii=False) + "\n")
+def _publish(merged: Path, work: Path, out_dir: Path, extra: dict) -> None:
+    """The merged sample as the loop's output folder, its manifest with ``extra`` (the rounds, the stop) written
+    before it is moved there (``place``): from the work folder, or from a copy of round 0's own (kept for a rerun)."""
+    staged = merged if merged.parent == work else Path(shutil.copytree(merged, work / "output"))
+    meta = json.loads((staged / MANIFEST).read_text())
+    (staged / MANIFEST).write_text(json.dumps({k: meta[k] for k in MANIFEST_KEYS} | extra, indent=2, ensure_ascii=False) + "\n")
+    place(staged, out_dir)
 
 
 def _tokens(S: SampledMatrix, calls: int) -> int:
@@ -236,9 +248,9 @@ def _tokens(S: SampledMatrix, calls: int) -> int:
 
 def _finished(folder: Path, N: int, D: int) -> bool:
     """A round already sampled (a rerun after a stop): its manifest has this round's N and D and every shard is intact
-    (``iter_shards``'s checks; the round itself is read once, where it is merged)."""
+    (``iter_shards``'s checks, which read no values)."""
     try:
-        meta, _, _ = iter_shards(folder)
+        meta, _ = iter_shards(folder)
     except NVError:
         return False
     return meta["N"] == N and meta["D"] == D

@@ -126,8 +126,8 @@ def _save_rows(path: Path, indptr, indices, logprobs, counts, prompt_tokens, voc
 
 
 SHARD_FIELDS = {"indptr", "indices", "counts", "logprobs", "prompt_tokens"}
-MANIFEST_INTS = ("N", "chunk", "D", "vocab_size")
 MANIFEST_KEYS = ("N", "temperature", "chunk", "D", "vocab_size")  # a sample's own; a round's adds its seed and identity
+MANIFEST_INTS = tuple(k for k in MANIFEST_KEYS if k != "temperature")
 
 
 def _length(z, name: str) -> int:
@@ -208,12 +208,16 @@ def collect(
         _save_shard(work / f"shard-{s:07d}.npz", samples, vocab_size)
         bar.update(len(batch))
     bar.close()
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(work), str(out_dir))
-    return out_dir
+    return place(work, Path(out_dir))
+
+
+def place(staged: Path, folder: Path) -> Path:
+    """Move the finished folder ``staged`` to ``folder`` (what was there removed first): a folder found there is whole."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(staged), str(folder))
+    return folder
 
 
 def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None, chunk: int = 100) -> Path:
@@ -226,25 +230,31 @@ def save_samples(S: SampledMatrix, folder: str | Path, extra: dict | None = None
 
 def write_samples(folder: str | Path, meta: dict, blocks: Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]) -> Path:
     """A sampling folder from ``blocks`` of ``meta["chunk"]`` rows each (the last may be shorter): (counts,
-    log-probs, prompt tokens) of each, in row order; ``meta`` is its manifest. Written beside ``folder`` and renamed
-    into place once whole, so an interrupted write leaves no folder that passes for a finished one."""
+    log-probs, prompt tokens) of each, in row order; ``meta`` is its manifest. Written beside ``folder`` and moved
+    into place once whole (``place``); an interrupted write leaves neither a folder that passes for a finished one
+    nor the part written."""
     folder = Path(folder)
     partial = folder.with_name(folder.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    start = 0
-    for counts, logprobs, prompt_tokens in blocks:
-        if not (np.array_equal(counts.indptr, logprobs.indptr) and np.array_equal(counts.indices, logprobs.indices)):
-            raise NVError("a sample's log-prob and count patterns differ")
-        _save_rows(partial / f"shard-{start:07d}.npz", counts.indptr - counts.indptr[0], counts.indices, logprobs.data,
-                   counts.data, prompt_tokens, meta["vocab_size"])
-        start += counts.shape[0]
-    (partial / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    if folder.exists():
-        shutil.rmtree(folder)
-    partial.rename(folder)
-    return folder
+    try:
+        start = 0
+        for counts, logprobs, prompt_tokens in blocks:
+            rows = min(meta["chunk"], meta["D"] - start)
+            if counts.shape[0] != rows or not (np.array_equal(counts.indptr, logprobs.indptr)
+                                               and np.array_equal(counts.indices, logprobs.indices)):
+                raise NVError(f"a sample's block at row {start} is not {rows} rows of one pattern of counts and log-probs")
+            _save_rows(partial / f"shard-{start:07d}.npz", counts.indptr - counts.indptr[0], counts.indices, logprobs.data,
+                       counts.data, prompt_tokens, meta["vocab_size"])
+            start += rows
+        if start != meta["D"]:
+            raise NVError(f"a sample's blocks end at row {start}, not at its D = {meta['D']}")
+        (partial / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return place(partial, folder)
 
 
 def _shards(folder: Path, columns: np.ndarray | None = None) -> tuple[dict, list[Path], int]:
@@ -325,14 +335,13 @@ def observed_mask(folder: str | Path) -> sp.csr_matrix:
 
 
 def iter_shards(folder: str | Path, chunk: int | None = None
-                ) -> tuple[dict, int, Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]]:
-    """Y_hat of ``folder`` a few rows at a time, for work that needs no more in memory at once: the manifest, the number
-    of entries in all, and an iterator of (first row, counts, log-probs, prompt tokens) of each shard's rows (CSR), or
-    of each block of ``chunk`` rows where given (the shards of another folder, whatever this one's own)."""
-    meta, paths, nnz = _shards(Path(folder))
+                ) -> tuple[dict, Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]]:
+    """Y_hat of ``folder`` a few rows at a time, for work that needs no more in memory at once: the manifest and an
+    iterator of (counts, log-probs, prompt tokens) of each shard's rows (CSR), or of each block of ``chunk`` rows where
+    given (the shards of another folder, whatever this one's own)."""
+    meta, paths, _ = _shards(Path(folder))
 
-    def shards() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
-        row = 0
+    def shards() -> Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
         for path in paths:
             with _reading(path) as z:
                 indices, indptr = z["indices"], z["indptr"]
@@ -340,32 +349,32 @@ def iter_shards(folder: str | Path, chunk: int | None = None
                 counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
                 logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
                 prompt_tokens = z["prompt_tokens"]
-            yield row, counts, logprobs, prompt_tokens
-            row += shape[0]
+            yield counts, logprobs, prompt_tokens
 
-    def blocks() -> Iterator[tuple[int, sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
-        held, row = None, 0  # rows read and not yet given: counts, log-probs, prompt tokens
-        for _, *part in shards():
-            held = part if held is None else [sp.vstack([held[0], part[0]], format="csr"),
-                                              sp.vstack([held[1], part[1]], format="csr"), np.concatenate([held[2], part[2]])]
-            while held is not None and (held[0].shape[0] >= chunk or row + held[0].shape[0] == meta["D"]):
-                n = min(chunk, held[0].shape[0])
-                yield row, held[0][:n], held[1][:n], held[2][:n]
-                row += n
-                held = [x[n:] for x in held] if held[0].shape[0] > n else None
+    def blocks() -> Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
+        own, held, read = shards(), [], 0  # shards read that reach past the rows given: (first row, its three arrays)
+        for start in range(0, meta["D"], chunk):
+            stop = min(start + chunk, meta["D"])
+            while read < stop:
+                held.append((read, *next(own)))
+                read += held[-1][1].shape[0]
+            parts = [[x[max(start, first) - first : stop - first] for x in arrays] for first, *arrays in held]
+            yield (sp.vstack([p[0] for p in parts], format="csr"), sp.vstack([p[1] for p in parts], format="csr"),
+                   np.concatenate([p[2] for p in parts]))
+            held = [h for h in held if h[0] + h[1].shape[0] > stop]
 
-    return meta, nnz, shards() if chunk is None or chunk == meta["chunk"] else blocks()
+    return meta, shards() if chunk is None or chunk == meta["chunk"] else blocks()
 
 
 def thin(folder: str | Path, out: str | Path, N: int, seed: int) -> Path:
     """``load_samples(folder).subsample(N, seed)`` written to ``out``, a shard at a time (the same draws, without
     holding either sample); returns ``out``."""
-    meta, _, shards = iter_shards(folder)
+    meta, shards = iter_shards(folder)
     if not 1 <= N <= meta["N"]:
         raise NVError(f"sub-budget N must be in [1, {meta['N']}], got {N}")
     rng = np.random.default_rng(seed)
     return write_samples(out, {k: meta[k] for k in MANIFEST_KEYS} | {"N": N},
-                         (_thinned(counts, logprobs, N, rng) + (prompt_tokens,) for _, counts, logprobs, prompt_tokens in shards))
+                         (_thinned(counts, logprobs, N, rng) + (prompt_tokens,) for counts, logprobs, prompt_tokens in shards))
 
 
 def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:
