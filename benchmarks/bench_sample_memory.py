@@ -1,7 +1,9 @@
 """Peak memory of the phase-1 operations on a large stored sample (issue 13's 12 GB bound; the 1.5B's 3,000 x 10^6
 draws hold 3.9·10^8 entries, 4.65 GB): reading it back from its shards (``observed_mask``, ``load_samples`` whole
 and of the common set's columns), thinning (``SampledMatrix.subsample``), the common set (Alg. 1 lines 5-7)
-and the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``).
+the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``), and one round of the adaptive
+loop on disk (``nv.phase1.adaptive``: two rounds' folders merged, the common set from the mask, the check thinned to a
+folder).
 
 The sample is synthetic, shaped like a real one: D prompts over |V| = 151,936 tokens, N calls per prompt
 multinomial over a Zipf law on one shared token ranking, log-probs of rank R = 256 (h_q W^T, bf16-rounded), so the
@@ -11,9 +13,10 @@ Bounds: thinning peaks at the thinned copy alone (<= 1.15 x the thinned sample: 
 beside it); reading the sample back at <= 1.1 x the sample (arrays filled in place, no list of parts
 concatenated), its observation mask at <= 0.5 x (5 bytes per entry of the 12); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 1.2 x the sample
 (one thinned sample at a time beside S; holding a round's draws beside its check, as before issue 13's change,
-took two). Each bound is printed MET or MISSED (machines are noisy); a wrong result (a sample read back other
+took two); the round on disk at <= 0.8 x (the merged sample's observation mask, 5 of its 12 bytes an entry, and the
+pruning's bitmap; a round held the sample and the union of its merge, ~2 x, while the merged sample was in memory). Each bound is printed MET or MISSED (machines are noisy); a wrong result (a sample read back other
 than it was written, thinned rows not summing to N, a nested thinning other than thinning twice, a replay that does
-not find rank R) exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
+not find rank R, a merge other than the sample split into its two rounds) exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import numpy as np
 import scipy.sparse as sp
 
 from nv.models.loading import release_memory
+from nv.phase1.adaptive import merge
 from nv.phase1.exactness import adaptive_replay, first
-from nv.phase1.pipeline import common_set
-from nv.phase1.sampling import SampledMatrix, load_samples, observed_mask, save_samples
+from nv.phase1.pipeline import common_set, common_set_of
+from nv.phase1.sampling import SampledMatrix, load_samples, observed_mask, save_samples, thin
 
 from _common import GIB, peak_rss, reset_peak_rss, verdict
 
@@ -87,6 +91,29 @@ def step(name: str, fn, *args):
     return out, seconds, above
 
 
+def rest_of(S: SampledMatrix, part: SampledMatrix) -> SampledMatrix:
+    """The calls of S that are not in ``part`` (its first calls, ``subsample``): counts subtracted on S's pattern, the
+    tokens drawn only in ``part`` dropped."""
+    counts = S.counts.data.copy()
+    for q in range(S.D):
+        row, taken = slice(*S.counts.indptr[q : q + 2]), slice(*part.counts.indptr[q : q + 2])
+        counts[row.start + np.searchsorted(S.counts.indices[row], part.counts.indices[taken])] -= part.counts.data[taken]
+    keep = counts > 0
+    indptr = np.concatenate([[0], np.cumsum(keep)])[S.counts.indptr]
+    indices = S.counts.indices[keep]
+    return SampledMatrix(sp.csr_matrix((S.logprobs.data[keep], indices, indptr), shape=S.counts.shape),
+                         sp.csr_matrix((counts[keep], indices, indptr), shape=S.counts.shape), S.prompt_tokens,
+                         S.N - part.N, S.temperature)
+
+
+def disk_round(a: Path, b: Path, work: Path, check_N: int) -> tuple[Path, tuple, tuple]:
+    """One round of the adaptive loop's work on disk: merge, common set from the mask, the check thinned to a folder."""
+    merged = merge(a, b, work / "merged")
+    common, _ = common_set_of(merged)
+    check, _ = common_set_of(thin(merged, work / "check", check_N, 0))
+    return merged, common.Y.shape, check.Y.shape
+
+
 def bound(what: str, ratio: float, limit: float) -> None:
     print(f"  {what}: {ratio:.2f} (bound {limit}) {'MET' if ratio <= limit else 'MISSED'}")
 
@@ -122,6 +149,19 @@ def main() -> int:
         if part.counts.nnz != int(seen[columns].sum()):
             wrong.append("load_samples(columns) kept another number of entries than the sample has in those columns")
         del part
+        # the sample as two rounds (its first N / 2 calls and the rest), saved, then merged back as the loop does
+        first_half = S.subsample(args.N // 2, 0)
+        a = save_samples(first_half, Path(tmp) / "round-0")
+        b = save_samples(rest_of(S, first_half), Path(tmp) / "round-1")
+        del first_half
+        (merged, shape, check), _, peak = step("adaptive round on disk (merge, common set, check)", disk_round, a, b,
+                                               Path(tmp), int(args.N / np.sqrt(2)))
+        print(f"  common set {shape[0]} x {shape[1]}, its check's {check[0]} x {check[1]}")
+        bound("peak / sample", peak / S_gib, 0.8)
+        back = load_samples(merged)
+        if (back.counts != S.counts).nnz or not np.allclose(back.logprobs.data, S.logprobs.data, rtol=1e-6, atol=0):
+            wrong.append("the two rounds merged differ from the sample they split")
+        del back
 
     half, _, peak = step("thin to N / 2 (subsample)", S.subsample, args.N // 2, 0)
     bound("peak / thinned sample", peak / size(half), 1.15)
