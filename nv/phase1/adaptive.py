@@ -7,9 +7,10 @@ Y_hat is pruned to its common set and given to the robust estimator. The merged 
 folder under ``adaptive-merged``, rewritten each round a shard at a time, as is its check's thinned copy): a round
 holds the observation mask for the pruning (5 bytes an entry) and the common set's columns, not the sample's values
 (12 bytes an entry, twice that while merging). On disk it takes ~12 bytes an entry, beside the rounds' own folders,
-up to twice that while the next merge or the check is written; the folder is removed when the loop ends or stops. Stop rule: the estimate is saturated at
-N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no new calls), saturated again with
-d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
+up to twice that while the next merge or the check is written; the folder is removed when the loop ends or stops.
+
+Stop rule: the estimate is saturated at N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no
+new calls), saturated again with d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
 would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
 A round that is saturated but fails its check is followed by one sqrt(2) larger instead of growth x larger
 (``next_budget``): its check then falls on the budget already found saturated, so the loop pays at most sqrt(2)
