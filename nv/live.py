@@ -283,9 +283,13 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
             unfinished = {"note": "phase 2 did not finish: rerun the same command (its paid calls are journaled)"}
             write_json(out / "report.json", record | {"timing": unfinished})
             d_hat = timing["d_hat"] or record["d_hat"]
+            before = oracle.cost.as_dict()
             record.update(timing_phase(oracle, d_hat, timing["calibration"], timing["k"], timing["p_max"],
                                        timing["vocab_size"], params["seed"], out / ".checkpoints" / "timing.jsonl", progress))
-            record["cost"]["paper"] = oracle.cost.as_dict()  # phase 1 + the timed calls
+            after = oracle.cost.as_dict()
+            # phase 1's §5 cost from its sample (a rerun does not ask its finished adaptive rounds again, so the oracle
+            # does not count them), plus the timed calls (asked again on a rerun, replayed from the journal)
+            record["cost"]["paper"] = {k: v + after[k] - before[k] for k, v in record["cost"]["paper"].items()}
             record["cost"]["provider"] = oracle.provider_cost.as_dict()
         write_json(out / "report.json", record)
         return record

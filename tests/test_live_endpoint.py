@@ -936,6 +936,13 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     summary = json.loads(held.stdout)
     assert summary["adaptive_stop"].startswith("round 2 (N = 16, ") and summary["cost"]["provider"]["calls"] == 38 + timed
     assert summary["timing"]["L_hat"] is not None  # phase 2 ran to its end
+    # its rerun replays every call (nothing sent) and counts the same §5 cost, though the finished rounds are not
+    # asked again (their folders are reused): phase 1's cost comes from its sample, phase 2's from its timed calls
+    again = run_attack(attack_args(server.base_url, server.model_name, tmp_path / "adaptive.yaml", tmp_path / "out6",
+                                   *timed_args, "--budget-calls", "70"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    replayed = json.loads(again.stdout)
+    assert replayed["cost"]["paper"] == summary["cost"]["paper"] and replayed["cost"]["provider"] == summary["cost"]["provider"]
     # a phase 2 that fails (the server refuses a timed call) leaves phase 1's report whole, marked (it was overwritten
     # by a phase-1-only one, without its cost and endpoint)
     with FaultProxy(server.base_url, {40: "400"}) as proxy:  # past phase 1's 38 requests
