@@ -166,8 +166,8 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
 
 def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
     """Empirical coverage of the 90 % intervals: d over every (model, phase-1 budget); L and P over every
-    (model, phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where a
-    calibration model gave no fit, covers trivially: counted apart as uninformative); pooled over all three. The
+    (model, phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where fewer
+    than two calibration models gave a fit, covers trivially: counted apart as uninformative); pooled over all three. The
     headline intervals (the hull of both depth estimators') first, then the rule's estimator's alone (``rule``)."""
     d = phase1[phase1.method == estimator].covered.astype(bool)
     with_d = cases[cases.saturated & cases.L_hat.notna()]

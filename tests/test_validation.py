@@ -9,11 +9,15 @@ import pandas as pd
 from nv.phase2.intervals import conformal, hull
 
 
-def test_conformal_half_width_is_the_largest_log_residual_and_infinite_without_a_fit():
+def test_conformal_half_width_is_the_largest_log_residual_over_the_references_with_a_fit():
     truths = np.array([10.0, 20.0, 30.0])
     assert np.isclose(conformal(np.array([11.0, 18.0, 30.0]), truths), np.log(20 / 18))  # not log(11 / 10)
-    assert conformal(np.array([11.0, np.nan, 30.0]), truths) == np.inf  # a reference without a fit
-    assert conformal(np.array([11.0]), truths[:1]) == np.inf  # one reference calibrates nothing
+    # a reference without a fit (or a non-positive one) is left out: the target's own fit succeeded, which the
+    # attacker sees, so it is calibrated on the references whose fit did too
+    for failed in (np.nan, -0.75, 0.0):
+        assert np.isclose(conformal(np.array([11.0, failed, 30.0]), truths), np.log(11 / 10))
+    assert conformal(np.array([11.0, np.nan, -1.0]), truths) == np.inf  # one reference with a fit calibrates nothing
+    assert conformal(np.array([11.0]), truths[:1]) == np.inf
 
 
 def test_hull_holds_both_estimators_intervals_and_skips_an_estimator_without_a_fit():
@@ -26,7 +30,7 @@ def test_hull_holds_both_estimators_intervals_and_skips_an_estimator_without_a_f
     assert np.isclose(lo[1], 30 * np.exp(-0.2)) and np.isclose(hi[1], 30 * np.exp(0.2))
     assert np.isclose(lo[2], 25 * np.exp(-0.5)) and np.isclose(hi[2], 25 * np.exp(0.5))
     assert np.isnan(lo[3]) and np.isnan(hi[3])  # neither: no interval
-    assert (lo[4], hi[4]) == (0.0, np.inf)  # an estimator whose calibration failed somewhere: uninformative
+    assert (lo[4], hi[4]) == (0.0, np.inf)  # an infinite half-width (fewer than two references with a fit): uninformative
     for x, q in ((basic, q_basic), (eq10, q_eq10)):  # the hull contains every estimator's interval
         ok = np.isfinite(x)
         assert np.all(lo[ok] <= x[ok] * np.exp(-q[ok]) + 1e-12) and np.all(hi[ok] >= x[ok] * np.exp(q[ok]) - 1e-12)

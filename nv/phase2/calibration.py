@@ -28,7 +28,7 @@ def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
     (that platform's r and K, the sweep and fit settings) to time the target the same way; the prefill curve's
     b, c, a (``nv.phase2.prefill``; null when its fit fails); and, each reference held out in turn, the rule's
     scores and the conformal half-widths of ``nv.phase2.intervals`` (``score_<estimator>``, ``q_L_<estimator>``,
-    ``q_P_<estimator>``; null where infinite: a reference without a fit)."""
+    ``q_P_<estimator>``; null where infinite: fewer than two references with a fit)."""
     platform = next(iter(records))
     references = [r for r in records[platform] if r["role"] == "reference"]
     refs = timings(references, timing["discard"], "d")

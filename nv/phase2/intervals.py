@@ -6,7 +6,8 @@ calibration's own references, among those that give the target a depth: what the
 data it has. P_ne_hat follows from each depth by the prefill curve (``nv.phase2.prefill``).
 
 Intervals: each estimator's split-conformal interval x exp(+-q), q the largest leave-one-out |log(x / truth)| of
-the n references (``conformal``; level n / (n + 1) for a target exchangeable with them). A target of another
+the n references it gives a depth (``conformal``; level n / (n + 1) for a target exchangeable with them that it
+also gives one: the attacker sees whether it does). A target of another
 family moves the two estimators apart, so the headline interval is the ``hull`` of both estimators' intervals, and
 the rule's estimator's alone is kept beside it (``_rule``). ``estimates`` applies both to arrays of cases (the
 validation) or to one target (the live attack); P spans the tied and untied totals, tying being invisible in time.
@@ -25,11 +26,14 @@ ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
 
 
 def conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
-    """The largest leave-one-out |log(estimate / truth)| of the n calibration models: an interval of this half-width
-    covers a new exchangeable model with probability n / (n + 1) (split conformal; 86-88 % for 6-7 models, the
-    closest this family size comes to 90 %). A model without a fit counts as an infinite residual."""
+    """The largest leave-one-out |log(estimate / truth)| of the n calibration models the estimator gives a positive
+    estimate: an interval of this half-width covers a new exchangeable model that it also gives one with probability
+    n / (n + 1) (split conformal, conditioned on what the attacker sees of the target: its own fit succeeded; 86-88 %
+    for 6-7 models, the closest this family size comes to 90 %). Infinite with fewer than 2 such models. Counting a
+    model without a fit as an infinite residual instead made every interval of that estimator unbounded whenever one
+    reference failed (the smallest, whose prefill times fall below the others' intercept alpha: README, coverage)."""
     ok = np.isfinite(estimates) & (estimates > 0)
-    return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.all() and len(ok) >= 2 else np.inf
+    return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.sum() >= 2 else np.inf
 
 
 def hull(estimates: list, q: list) -> tuple[np.ndarray, np.ndarray]:
