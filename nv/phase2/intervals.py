@@ -31,7 +31,8 @@ def conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
     n / (n + 1) (split conformal, conditioned on what the attacker sees of the target: its own fit succeeded; 86-88 %
     for 6-7 models, the closest this family size comes to 90 %). Infinite with fewer than 2 such models. Counting a
     model without a fit as an infinite residual instead made every interval of that estimator unbounded whenever one
-    reference failed (the smallest, whose prefill times fall below the others' intercept alpha: README, coverage)."""
+    reference failed (the smallest, whose prefill times fall below the others' intercept alpha: README, "Validation
+    across models")."""
     ok = np.isfinite(estimates) & (estimates > 0)
     return float(np.max(np.abs(np.log(estimates[ok] / truths[ok])))) if ok.sum() >= 2 else np.inf
 
