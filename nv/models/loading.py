@@ -201,7 +201,7 @@ def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
     if not _write_cache(model, tokenizer, folder):
         return (model, tokenizer) if dtype == "float32" else _from_pretrained(source, gguf, dtype)
     del model
-    release_memory()  # the dequantisation's freed blocks, before the entry is read back (README: peak memory)
+    release_memory()  # the dequantisation's freed blocks, before the entry is read back (README: Models)
     return _from_pretrained(str(folder), None, dtype)
 
 
