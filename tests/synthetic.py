@@ -37,3 +37,27 @@ class LowRankOracle(Oracle):
 
     def time_request(self, prompt):
         raise NotImplementedError("the toy LM only samples")
+
+
+def incomplete_sample(D: int = 400, V: int = 3000, rank: int = 60, N: int = 6000, tau: float = 2.0, decay: float = 30.0,
+                      noise_only: bool = False, seed: int = 0):
+    """A sampled Y_hat of known rank with missing entries as sampling leaves them: logits = a token popularity profile
+    + H W^T (rank ``rank``, column scales decaying ``decay``-fold; with ``noise_only`` i.i.d. noise instead), shifted
+    into [16, 32) and rounded to bf16 (SmolLM2's floor: spacing 0.125), y = log_softmax(z / tau), and (q, i) observed
+    with probability 1 - (1 - p_q^(i))^N, as N draws leave it. Returns a ``SampledMatrix``."""
+    import scipy.sparse as sp
+
+    from nv.oracle.defence import round_to_format
+    from nv.phase1.sampling import SampledMatrix
+
+    rng = np.random.default_rng(seed)
+    if noise_only:
+        z = rng.normal(size=(D, V)) * 0.7
+    else:
+        z = (rng.normal(size=(D, rank)) * decay ** -(np.arange(rank) / (rank - 1))) @ rng.normal(size=(V, rank)).T
+        z *= 0.7 / z.std()
+    z = round_to_format(z + rng.normal(size=V) * 2.0 + 24.0, "bf16")
+    y = z / tau - np.logaddexp.reduce(z / tau, axis=1, keepdims=True)
+    observed = rng.random(y.shape) < -np.expm1(N * np.log1p(-np.exp(y)))
+    return SampledMatrix(sp.csr_matrix(np.where(observed, y, 0.0).astype(np.float32)),
+                         sp.csr_matrix(observed.astype(np.int64)), np.full(D, 5), N, tau)

@@ -31,12 +31,13 @@ OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
 
 
 def outcome(e: SpectrumEstimate, d_true: int) -> str:
-    """exact: d_hat_raw within the budget sweep's tolerance of d (``d_interval``); not saturated: the robust
-    estimator's lower bound, at most d; no estimate: the paper estimator found no saddle or peak; wrong: any other."""
+    """exact: d_hat_raw within the budget sweep's tolerance of d (``d_interval``); not saturated: the robust (or
+    ``nv.phase1.incomplete``'s) estimator's lower bound, at most d; no estimate: the paper estimator found no saddle or
+    peak; wrong: any other."""
     lo, hi = d_interval(e.d_hat_raw, e.lower_bound)
     if e.d_hat_raw is not None:
         return "exact" if lo <= d_true <= hi else "wrong"
-    if e.method == "robust":
+    if e.method in ("robust", "incomplete"):
         return "not saturated" if lo <= d_true else "wrong"
     return "no estimate"
 

@@ -1,0 +1,58 @@
+"""The missing-data estimator (nv.phase1.incomplete) on synthetic Y_hat of known rank, sampled like the real one."""
+
+import numpy as np
+import pytest
+
+from nv.errors import NVError
+from nv.phase1 import incomplete
+from nv.phase1.pipeline import common_set
+from nv.phase1.spectrum import robust
+from synthetic import incomplete_sample
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recovers_the_rank_where_the_complete_block_cannot(seed):
+    S = incomplete_sample(seed=seed)
+    common = common_set(S).Y
+    assert not robust(common).saturated  # the common block's tail is under the bf16 floor
+    anchor = incomplete.anchor(common)
+    assert 0 < anchor < 60
+    e = incomplete.estimate(S, anchor)
+    assert e.method == "incomplete" and e.saturated and e.d_hat_raw == 60 and e.d_hat == 64
+    assert e.diagnostics["shape"][1] > 5 * common.shape[1]  # the block uses columns the common set dropped
+    rungs = e.diagnostics["rungs"]
+    assert len(rungs) == 2 and all(r.d_hat_raw == 60 and r.k < 60 for r in rungs)
+
+
+def test_pure_noise_is_not_saturated_and_keeps_the_anchor():
+    e = incomplete.estimate(incomplete_sample(noise_only=True), 40)
+    assert not e.saturated and e.d_hat_raw is None and e.lower_bound == 40
+    assert [r.k for r in e.diagnostics["rungs"]] == [32, 36]
+
+
+def test_too_few_draws_is_not_saturated():
+    """At N = 1,500 the columns most prompts drew are few and the anchor small: the ladder says so, no number."""
+    S = incomplete_sample(N=1500)
+    e = incomplete.estimate(S, incomplete.anchor(common_set(S).Y))
+    assert not e.saturated and e.lower_bound < 60
+
+
+def test_block_keeps_the_observed_entries_exactly():
+    S = incomplete_sample(N=3000)
+    b = incomplete.block(S, 0.6)
+    dense = S.logprobs[:, b.columns].toarray()
+    seen = S.counts[:, b.columns].toarray() > 0
+    assert np.array_equal(b.M, seen) and np.array_equal(b.X[seen], dense[seen].astype(np.float64))
+    assert (b.q >= 0.6).all() and np.allclose(b.q, seen.mean(axis=0))
+    with pytest.raises(NVError, match="frac"):
+        incomplete.block(S, 0.0)
+
+
+def test_outcome_judges_its_lower_bound_like_the_robust_one():
+    from nv.phase1.exactness import outcome
+    from nv.phase1.spectrum import SpectrumEstimate
+
+    def est(lower):
+        return SpectrumEstimate("incomplete", False, None, None, 64, lower, "not saturated", {})
+
+    assert outcome(est(50), 60) == "not saturated" and outcome(est(70), 60) == "wrong"
