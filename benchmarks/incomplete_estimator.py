@@ -2,13 +2,13 @@
 per budget N (the sample thinned with params.yaml's seed, nested as the budget sweep), the common block and the
 robust estimate on it, then ``nv.phase1.incomplete`` on every observed entry of the tokens >= 60 % of the prompts
 drew, anchored at the common block's Gavish-Donoho count; with its rungs (k, d_hat_raw, drop z and ratio, EM sweeps),
-the §5 tokens, the time and the peak memory of each step. Exits 1 if either estimator is saturated with a value more
-than max(3, 0.5 % of d) off (issue 14's honesty bound).
+the §5 tokens, the missing-data estimate's time and the budget's peak memory. Exits 1 if either estimator is
+saturated with a value more than max(3, 0.5 % of d) off, or gives a lower bound above d (issue 14's honesty bound).
 
-Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--out DIR] (not in ``make bench``: a
-measurement; ~5 min a budget and ~3 GB at N = 10^5 on the embedded model's 3,000 prompts). ``--samples``: any sampling
-folder, e.g. ``nv attack --simulate embedded``'s OUT/samples, or the sampling stage's (the default). Measured: see
-"Where phase 1 becomes exact" in the README.
+Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--out DIR] (not in ``make bench``:
+a measurement; ~9 min a budget alone and ~4 GiB at N = 10^5 on the embedded model's 3,000 prompts). ``--samples``: any
+sampling folder, e.g. ``nv attack --simulate embedded``'s OUT/samples, or the sampling stage's (the default).
+Measured: see "Where phase 1 becomes exact" in the README.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def said(e) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", default=str(ROOT / "outputs" / "sampling" / "samples"))
-    ap.add_argument("--d", type=int, default=576, help="the true d, to judge the estimates (default: the embedded model's)")
+    ap.add_argument("--d", type=int, default=576,
+                    help="the true d, to judge the estimates (default: the embedded model's)")
     ap.add_argument("--N", type=int, nargs="+", default=[50_000, 70_000, 100_000, 141_421],
                     help="budgets to thin to (each at most the sample's N)")
     ap.add_argument("--out", help="folder for incomplete_estimator.json")
@@ -66,9 +67,10 @@ def main() -> int:
         rows.append(row)
         rungs = "; ".join(f"k = {r.k}: {r.d_hat_raw if r.d_hat_raw is not None else '-'} (z {r.z:.1f}, "
                           f"ratio {r.ratio:.3f}, {r.sweeps} sweeps)" for r in inc.diagnostics["rungs"])
-        print(f"N = {N:,} ({row['tokens']:.2e} tokens): common {Y.shape[0]:,} x {Y.shape[1]:,} (R = {row['R_common']:.0f}) "
+        print(f"N = {N:,} ({row['tokens']:.2e} tokens): common {Y.shape[0]:,} x {Y.shape[1]:,} "
+              f"(R = {row['R_common']:.0f}) "
               f"robust {row['robust']}; block {shape[0]:,} x {shape[1]:,} ({row['observed']:.0%} observed) incomplete "
-              f"{row['incomplete']} [{rungs}]; {seconds:.0f} s, peak {row['peak_gib']:.2f} GiB", flush=True)
+              f"{row['incomplete']} [{rungs}] in {seconds:.0f} s; peak {row['peak_gib']:.2f} GiB", flush=True)
         for e in (robust, inc):
             if outcome(e, args.d) == "wrong":
                 wrong.append(f"N = {N}: {e.method} {said(e)}")
