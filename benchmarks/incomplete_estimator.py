@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from nv.errors import run_main
 from nv.params import load_params
 from nv.phase1 import incomplete
 from nv.phase1.exactness import edge_ratio, outcome
@@ -82,4 +83,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
