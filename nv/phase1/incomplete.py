@@ -3,9 +3,9 @@ most prompts drew, not only from the complete common block.
 
 An observed entry of Y_hat is an exact log-prob, y_q^(i) = z_q^(i) / tau - c_q with z rounded to bf16: uncentred, the
 matrix has rank d + 1 (the hidden state and the log-partition offset c_q) under the rounding floor. The common block
-keeps the tokens every kept prompt drew, and throws most entries away: on SmolLM2 at N = 10^5 it is 2,576 x 1,771
-(edge ratio R = 529, the tail near i = d under the floor), while 12,674 tokens were drawn by >= 60 % of the 3,000
-prompts, 85 % of those entries observed (R = 1,358 if complete). Missing entries are missing not at random (a token
+keeps the tokens every kept prompt drew, and throws most entries away: on SmolLM2 at N = 10^5 it is 2,569 x 1,777
+(edge ratio R = 530, the tail near i = d under the floor), while 12,660 tokens were drawn by >= 60 % of the 3,000
+prompts, 85 % of those entries observed (R = 1,357 if complete; README: where phase 1 becomes exact). Missing entries are missing not at random (a token
 is seen where it is likely), but each observed one is exact, so a low-rank fit over the observed entries alone is
 unbiased; erasures only thin the signal.
 
