@@ -1,11 +1,11 @@
 """The missing-data estimator against the robust one on the same draws (issue 14, item 3 and the 3x token target):
-per budget N (the sample thinned with params.yaml's seed, nested as the budget sweep), the common block and the
-robust estimate on it, then ``nv.phase1.incomplete`` on every observed entry of the tokens >= 60 % of the prompts
+per budget N (the sample thinned with params.yaml's seed, nested as the budget sweep) and number of prompts D (the
+first D, nested as the exactness grid), the common block and the robust estimate on it, then ``nv.phase1.incomplete`` on every observed entry of the tokens >= 60 % of the prompts
 drew, anchored at the common block's Gavish-Donoho count; with its rungs (k, d_hat_raw, drop z and ratio, EM sweeps),
 the §5 tokens, the missing-data estimate's time and the budget's peak memory. Exits 1 if either estimator is
 saturated with a value more than max(3, 0.5 % of d) off, or gives a lower bound above d (issue 14's honesty bound).
 
-Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--out DIR] (not in ``make bench``:
+Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--D D ...] [--out DIR] (not in ``make bench``:
 a measurement; ~9 min a budget alone and ~4 GiB at N = 10^5 on the embedded model's 3,000 prompts). ``--samples``: any
 sampling folder, e.g. ``nv attack --simulate embedded``'s OUT/samples, or the sampling stage's (the default).
 Measured: see "Where phase 1 becomes exact" in the README.
@@ -23,7 +23,7 @@ from pathlib import Path
 from nv.errors import run_main
 from nv.params import load_params
 from nv.phase1 import incomplete
-from nv.phase1.exactness import edge_ratio, outcome
+from nv.phase1.exactness import edge_ratio, first, outcome
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import load_samples
 
@@ -43,39 +43,45 @@ def main() -> int:
                     help="the true d, to judge the estimates (default: the embedded model's)")
     ap.add_argument("--N", type=int, nargs="+", default=[50_000, 70_000, 100_000, 141_421],
                     help="budgets to thin to (each at most the sample's N)")
+    ap.add_argument("--D", type=int, nargs="+", help="numbers of prompts, the first D (default: all of them)")
     ap.add_argument("--out", help="folder for incomplete_estimator.json")
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["spectrum"])
+    spectrum = params["spectrum"]
     S = load_samples(args.samples)
-    print(f"{S.D:,} prompts, N = {S.N:,}, tau = {S.temperature:g}; true d = {args.d}; incomplete at its defaults")
+    print(f"{S.D:,} prompts, N = {S.N:,}, tau = {S.temperature:g}; true d = {args.d}; spectrum.incomplete "
+          f"{spectrum['incomplete']}")
     rows, wrong = [], []
     for N in args.N:
-        reset_peak_rss()
-        start = time.perf_counter()
-        T = S.subsample(N, params["seed"]) if N < S.N else S
-        Y = common_set(T).Y
-        robust = estimate_on(Y, "robust", params["spectrum"]["robust"])
-        anchor = incomplete.anchor(Y)
-        t_common = time.perf_counter() - start
-        inc = incomplete.estimate(T, anchor, seed=params["seed"], progress=True)
-        seconds = time.perf_counter() - start - t_common
-        shape = inc.diagnostics["shape"]
-        row = {"N": N, "tokens": T.tokens(), "common": list(Y.shape), "R_common": float(edge_ratio(*Y.shape)),
-               "robust": said(robust), "anchor": anchor, "block": list(shape),
-               "observed": inc.diagnostics["observed"],
-               "incomplete": said(inc), "rungs": [asdict(r) for r in inc.diagnostics["rungs"]],
-               "seconds": seconds, "peak_gib": peak_rss()}
-        rows.append(row)
-        rungs = "; ".join(f"k = {r.k}: {r.d_hat_raw if r.d_hat_raw is not None else '-'} (z {r.z:.1f}, "
-                          f"ratio {r.ratio:.3f}, {r.sweeps} sweeps)" for r in inc.diagnostics["rungs"])
-        print(f"N = {N:,} ({row['tokens']:.2e} tokens): common {Y.shape[0]:,} x {Y.shape[1]:,} "
-              f"(R = {row['R_common']:.0f}) "
-              f"robust {row['robust']}; block {shape[0]:,} x {shape[1]:,} ({row['observed']:.0%} observed) incomplete "
-              f"{row['incomplete']} [{rungs}] in {seconds:.0f} s; peak {row['peak_gib']:.2f} GiB", flush=True)
-        for e in (robust, inc):
-            if outcome(e, args.d) == "wrong":
-                wrong.append(f"N = {N}: {e.method} {said(e)}")
-        del T, Y
+        thinned = S.subsample(N, params["seed"]) if N < S.N else S
+        for D in sorted(args.D or [S.D], reverse=True):
+            reset_peak_rss()
+            start = time.perf_counter()
+            T = first(thinned, min(D, S.D))
+            Y = common_set(T).Y
+            robust = estimate_on(Y, "robust", spectrum["robust"])
+            t_common = time.perf_counter() - start
+            inc = incomplete.estimate(T, incomplete.anchor(robust, Y.shape), **spectrum["incomplete"], **spectrum["robust"],
+                                      seed=params["seed"], progress=True)
+            seconds = time.perf_counter() - start - t_common
+            shape = inc.diagnostics["shape"]
+            row = {"N": N, "D": T.D, "tokens": T.tokens(), "common": list(Y.shape), "R_common": float(edge_ratio(*Y.shape)),
+                   "robust": said(robust), "anchor": incomplete.anchor(robust, Y.shape), "block": list(shape),
+                   "observed": inc.diagnostics["observed"],
+                   "incomplete": said(inc), "rungs": [asdict(r) for r in inc.diagnostics["rungs"]],
+                   "seconds": seconds, "peak_gib": peak_rss()}
+            rows.append(row)
+            rungs = "; ".join(f"k = {r.k}: {r.d_hat_raw if r.d_hat_raw is not None else '-'} (z {r.z:.1f}, "
+                              f"ratio {r.ratio:.3f}, {r.far_drops} far drops, {r.sweeps} sweeps)" for r in inc.diagnostics["rungs"])
+            print(f"N = {N:,}, D = {T.D:,} ({row['tokens']:.2e} tokens): common {Y.shape[0]:,} x {Y.shape[1]:,} "
+                  f"(R = {row['R_common']:.0f}) "
+                  f"robust {row['robust']}; block {shape[0]:,} x {shape[1]:,} ({row['observed']:.0%} observed) incomplete "
+                  f"{row['incomplete']} [{rungs}] in {seconds:.0f} s; peak {row['peak_gib']:.2f} GiB", flush=True)
+            for e in (robust, inc):
+                if outcome(e, args.d) == "wrong":
+                    wrong.append(f"N = {N}, D = {T.D}: {e.method} {said(e)}")
+            del T, Y
+        del thinned
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "incomplete_estimator.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -138,6 +138,11 @@ SCHEMA: dict[str, dict] = {
         "whitebox_prompts": _POS_INT,
         "paper": {"p": _PROB, "g": _POS_INT, "w": _OPT_POS_INT, "w_s": _OPT_POS_INT, "lam_sad": _POS_NUM, "lam_peak": _POS_NUM},
         "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
+        "incomplete": {"frac": ((int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
+                       "rungs": (list, lambda v: len(v) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                                     and 0 < x <= 1 for x in v) and v == sorted(set(v)),
+                                 "a list of >= 2 increasing numbers in (0, 1] (saturated only when two rungs agree)"),
+                       "tol": _PROB, "max_iters": _POS_INT},
     },
     "sweep": {"budgets": _BUDGETS},
     # the exactness stage (nv.phase1.exactness): the (D, N, tau) grid and the paper's (D, N) for comparison
@@ -186,7 +191,7 @@ SCHEMA: dict[str, dict] = {
     },
     "timing": {"platforms": Platforms(_PLATFORM), **_PROTOCOL},
     "timing_target": {"p_max": _POS_INT, "d_hat": _D_HAT},
-    "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper")},
+    "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper", "incomplete")},
     # nv.oracle.defence: what the provider switches on (null = off)
     "defence": {
         "round_decimals": _opt((int,), lambda v: v >= 0, "an int >= 0"),

@@ -20,13 +20,14 @@ from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
-from nv.plots.exactness import OUTCOME_COLORS
+from nv.plots.exactness import MARKERS, OUTCOME_COLORS
 from nv.plots.exactness import grid as grid_figure
 from nv.plots.exactness import threshold as threshold_figure
 from synthetic import LowRankOracle
 
 SPECTRUM = {"robust": {"g": 8, "z_min": 8.0, "min_ratio": 1.05},
-            "paper": {"p": 0.54, "g": 8, "w": None, "w_s": None, "lam_sad": np.pi, "lam_peak": np.pi / 2}}
+            "paper": {"p": 0.54, "g": 8, "w": None, "w_s": None, "lam_sad": np.pi, "lam_peak": np.pi / 2},
+            "incomplete": {"frac": 0.6, "rungs": [0.8, 0.9], "tol": 0.005, "max_iters": 300}}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_grid_is_nested_and_finds_the_rank(toy):
     oracle, S = toy
     table = grid(S, [20, 80, 500], [100, 16_000, 10**6], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert set(table.D) == {20, 80} and set(table.N) == {100, 16_000}  # values above the sample's own are left out
-    assert len(table) == 2 * 2 * 2 and set(table.method) == {"robust", "paper"}
+    assert len(table) == 2 * 2 * 3 and set(table.method) == {"robust", "paper", "incomplete"}
     big = table[(table.D == 80) & (table.N == 16_000)].set_index("method")
     assert big.loc["robust", "d_hat_raw"] == oracle.rank and big.loc["robust", "outcome"] == "exact"
     assert big.loc["robust", "tokens"] == S.tokens() and big.loc["robust", "calls"] == 80 * 16_000
@@ -77,6 +78,9 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     oracle, S = toy
     table = grid(S, [10, 40, 80], [60, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     best = cheapest_exact(table).set_index("method")
+    # the honesty check: neither the robust nor the missing-data estimator is wrong in any cell (each group counts it)
+    assert best.loc[["robust", "incomplete"], "wrong_cells"].tolist() == [0, 0]
+    assert best.cells.tolist() == [9, 9, 9] and best.loc["paper", "wrong_cells"] == (table[table.method == "paper"].outcome == "wrong").sum()
     robust = table[table.method == "robust"]
     exact = robust[robust.outcome == "exact"]
     assert not exact.empty and best.loc["robust", "tokens"] == exact.tokens.min()
@@ -99,14 +103,14 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     assert sorted(drawn) == sorted([f"toy, tau = {S.temperature:g}, true d = {oracle.rank}", f"toy, tau = 1, true d = {oracle.rank}"])
     for title, cells in ((f"toy, tau = {S.temperature:g}, true d = {oracle.rank}", table), (f"toy, tau = 1, true d = {oracle.rank}", hopeless)):
         ax = drawn[title]
-        for method in ("robust", "paper"):  # each cell in its outcome's colour, what the estimator said beneath it
+        for method in ("robust", "paper", "incomplete"):  # each cell in its outcome's colour, what it said beneath it
             rows = cells[cells.method == method]
             (dots,) = [c for c in ax.collections if len(c.get_offsets()) == len(rows) and c.get_sizes()[0] == 70
                        and np.allclose(c.get_offsets()[:, 1], rows.D)
-                       and np.allclose(c.get_offsets()[:, 0], rows.N * (0.84 if method == "robust" else 1.19))]
+                       and np.allclose(c.get_offsets()[:, 0], rows.N * MARKERS[method][0])]
             assert [to_hex(c) for c in dots.get_facecolors()] == [to_hex(OUTCOME_COLORS[o]) for o in rows.outcome]
         texts = [t.get_text() for t in ax.texts]
-        said = cells[cells.method == "robust"]
+        said = cells[cells.method != "paper"]  # the robust and missing-data estimators' lower bounds
         assert sum(t.startswith(">=") for t in texts) == said.d_hat_raw.isna().sum()
     # the cheapest exact cell is labelled with its cost where there is one, and nowhere in the hopeless panel
     labels = [t.get_text() for t in drawn[f"toy, tau = {S.temperature:g}, true d = {oracle.rank}"].texts]

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
-from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.pipeline import common_set, estimate_all
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
@@ -87,7 +87,7 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
         for D in D_values:
             cell = first(thinned, D)
             cs = common_set(cell)
-            for method, e in estimate_both(cs.Y, spectrum).items():
+            for method, e in estimate_all(cell, cs.Y, spectrum, seed).items():
                 rows.append({"model": model, "temperature": S.temperature, "D": D, "N": N, "tokens": cell.tokens(),
                              "calls": cell.calls(), "D_prime": cs.Y.shape[0], "C": cs.Y.shape[1],
                              "R": float(edge_ratio(*cs.Y.shape)), "method": method,
@@ -102,14 +102,16 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
 def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method", "temperature")) -> pd.DataFrame:
     """Tokens to exact: per group the cheapest exact cell, and whether every dearer cell of the group at or above
     both its D and N is exact too (``stays_exact``: the cheapest point is not a lucky draw). A group with no exact
-    cell has NaN cost and its best lower bound."""
+    cell has NaN cost and its best lower bound. ``wrong_cells``: the group's cells whose answer is wrong (issue 14's
+    honesty check: a saturated d_hat_raw off by more than max(3, 0.5 % of d), or a lower bound above d)."""
     if table.empty:
         raise NVError("no cell of the (D, N) grid fits a sample: every exactness.D_values or N_values is above the "
                       "samples' own D or N; lower them")
     rows = []
     for key, g in table.groupby(list(by), sort=True):
         exact = g[g.outcome == "exact"].sort_values(["tokens", "N"])
-        row = dict(zip(by, key)) | {"d_true": int(g.d_true.iloc[0])}
+        row = dict(zip(by, key)) | {"d_true": int(g.d_true.iloc[0]), "cells": len(g),
+                                    "wrong_cells": int((g.outcome == "wrong").sum())}
         if exact.empty:
             row |= {"tokens": np.nan, "calls": np.nan, "D": np.nan, "N": np.nan, "stays_exact": None,
                     "best_lower_bound": g.lower_bound.max(), "max_tokens_tried": g.tokens.max()}

@@ -36,8 +36,10 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.phase1.sampling import SampledMatrix
-from nv.phase1.spectrum import (SpectrumEstimate, _gavish_donoho_count, centred_singular_values,
-                                robust_from_singular_values, snap)
+from nv.phase1.spectrum import SpectrumEstimate, _gavish_donoho_count, robust_from_singular_values, snap
+
+
+SIDE = 5  # the detector's min_side: gaps it wants on each side of a drop (robust_from_singular_values)
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,17 @@ class Block:
     columns: np.ndarray
 
 
+def frequent(mask, frac: float):
+    """The columns of a D x |V| observation mask (CSR: which tokens each prompt drew) seen under >= ``frac`` of its
+    rows: step 1's columns, also chosen from the mask alone before a sample is read (``common_set_of``)."""
+    if not 0 < frac <= 1:
+        raise NVError(f"spectrum.incomplete.frac must be in (0, 1], got {frac}")
+    return np.flatnonzero(np.bincount(mask.indices, minlength=mask.shape[1]) >= frac * mask.shape[0])
+
+
 def block(S: SampledMatrix, frac: float) -> Block:
     """Step 1: the columns of Y_hat observed under at least ``frac`` of the D prompts, dense with their mask."""
-    if not 0 < frac <= 1:
-        raise NVError(f"incomplete.frac must be in (0, 1], got {frac}")
-    seen = np.bincount(S.counts.indices, minlength=S.counts.shape[1])
-    columns = np.flatnonzero(seen >= frac * S.D)
+    columns = frequent(S.counts, frac)
     sub = S.logprobs[:, columns].tocsr()
     present = S.counts[:, columns].tocsr()
     X = np.zeros(sub.shape, dtype=np.float64)
@@ -89,7 +96,7 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, U: np.ndarray | Non
     for sweep in bar:
         A = U.T @ F
         L = U @ A
-        change = float(np.sqrt(np.mean((L[missing] - F[missing]) ** 2)))
+        change = float(np.sqrt(np.mean((L[missing] - F[missing]) ** 2))) if missing.any() else 0.0
         F[missing] = L[missing]
         residual = float(np.sqrt(np.mean((X[b.M] - L[b.M]) ** 2)))
         bar.set_postfix(moved=f"{change / residual:.4f} of the residual")
@@ -110,21 +117,25 @@ def residual_singular_values(b: Block, L: np.ndarray, k: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Rung:
-    """One k of the ladder: d_hat_raw = k + j - 1 from the residual's drop after j (None where it has none), the
-    lower bound k + (the residual's Gavish-Donoho count) - 1, the drop's score z and ratio, and the EM's sweeps."""
+    """One k of the ladder: d_hat_raw = k + j - 1 from the residual's drop after j (None where it has none, or where
+    another drop is far from it: ``far_drops``), the lower bound k + (the residual's Gavish-Donoho count) - 1, the best
+    drop's score z and ratio, the other drops passing the detector's z_min and min_ratio more than the budget sweep's
+    tolerance (``d_interval``: max(3, 0.5 % of d)) away from it, and the EM's sweeps."""
 
     k: int
     d_hat_raw: int | None
     lower_bound: int
     z: float
     ratio: float
+    far_drops: int
     sweeps: int
 
 
-def anchor(Y: np.ndarray) -> int:
-    """The ladder's anchor: the Gavish-Donoho count of the complete common block (directions above its floor)."""
-    sigma, beta = centred_singular_values(Y)
-    return _gavish_donoho_count(sigma, beta) if sigma.size and sigma[0] > 0 else 0
+def anchor(robust: SpectrumEstimate, shape: tuple[int, int]) -> int:
+    """The ladder's anchor: the Gavish-Donoho count of the complete common block Y of ``shape`` (directions certainly
+    above its floor), from the robust estimate on it (its singular values; its lower bound when unsaturated)."""
+    sigma = robust.diagnostics["sigma"]
+    return _gavish_donoho_count(sigma, min(shape) / max(shape)) if sigma.size and sigma[0] > 0 else 0
 
 
 def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0.8, 0.9), tol: float = 0.005,
@@ -133,23 +144,39 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
     """Steps 1-4 at k = each of ``rungs`` x ``anchor_count`` (``anchor``; module docstring), each rung warm-started from
     the one below. Saturated only when two consecutive rungs give d_hat_raw within +-1; otherwise not saturated with
     the anchor as the lower bound (a rung's own bound, k + GD count - 1, overshot d by one on synthetic data, so it is
-    only reported). ``diagnostics``: the rungs, the block's shape and its observed share."""
+    only reported). ``diagnostics``: the rungs, the block's shape, its observed share and its missing entries.
+
+    Three guards keep a wrong number out, all structural (no threshold of a model):
+    - fewer missing entries than min(D, C): no rung. The residual signal the erasures remove is a matrix with at
+      most one rank per missing entry; only many of them spread it into noise. With few (a nearly complete block:
+      a small vocabulary, exact log-probs) it is of low rank, with a drop of its own past d: the toy LM of
+      tests/synthetic.py at 40 prompts gave 19 for 12 on both rungs. The common block is the estimate there.
+    - k stays >= 6 below the anchor, so a drop at d is eligible for the detector (>= 5 gaps left of it).
+    - a rung whose residual has a second drop away from its best gives none. Next to the drop at d the last
+      directions part from each other too (SmolLM2 at N = 7·10^4: ratios 1.086 after 576 and 1.052 after 575):
+      drops within the budget sweep's tolerance of the best are one."""
+    from nv.phase1.sweep import d_interval  # the sweep builds on the pipeline, which builds on this module
+
     b = block(S, frac)
     shape = b.X.shape
     beta = min(shape) / max(shape)
-    ks = sorted({int(r * anchor_count) for r in rungs} - {0})
-    ks = [k for k in ks if k < min(shape) - 12]  # the detector wants >= 5 gaps each side of a drop
+    ks = sorted({min(int(r * anchor_count), anchor_count - SIDE - 1) for r in rungs})
+    missing = int(b.M.size - np.count_nonzero(b.M))
+    ks = [k for k in ks if 1 <= k < min(shape) - 2 * SIDE - 2 and missing >= min(shape)]  # SIDE gaps each side of a drop
     out: list[Rung] = []
     U = None
-    diag = {"rungs": out, "shape": shape, "observed": float(b.M.mean()) if b.M.size else 0.0}
+    diag = {"rungs": out, "shape": shape, "observed": float(b.M.mean()) if b.M.size else 0.0, "missing": missing}
     for k in ks:
         L, U, sweeps = strong_fit(b, k, tol, max_iters, U, seed, progress)
         sigma = residual_singular_values(b, L, k)
-        e = robust_from_singular_values(sigma, beta, z_min=z_min, min_ratio=min_ratio, g=g)
+        e = robust_from_singular_values(sigma, beta, z_min=z_min, min_ratio=min_ratio, g=g, min_side=SIDE)
         j = e.diagnostics.get("k_best")
-        rung = Rung(k, None if e.d_hat_raw is None else k + e.d_hat_raw - 1, k + _gavish_donoho_count(sigma, beta) - 1,
-                    float(np.nanmax(e.diagnostics["z"])) if "z" in e.diagnostics else float("nan"),
-                    float(sigma[j - 1] / sigma[j]) if j else float("nan"), sweeps)
+        z = e.diagnostics.get("z", np.full(0, np.nan))
+        drops = np.flatnonzero((np.nan_to_num(z) >= z_min) & (e.diagnostics.get("gaps", z) >= np.log(min_ratio))) + 1
+        far = int(np.count_nonzero(np.abs(drops - j) > d_interval(k + j - 1, None)[1] - (k + j - 1))) if j else 0
+        rung = Rung(k, None if e.d_hat_raw is None or far else k + e.d_hat_raw - 1,
+                    k + _gavish_donoho_count(sigma, beta) - 1, float(np.nanmax(z)) if z.size else float("nan"),
+                    float(sigma[j - 1] / sigma[j]) if j else float("nan"), far, sweeps)
         out.append(rung)
         if len(out) >= 2 and None not in (out[-1].d_hat_raw, out[-2].d_hat_raw) \
                 and abs(out[-1].d_hat_raw - out[-2].d_hat_raw) <= 1:

@@ -1,4 +1,4 @@
-"""Phase 1 end to end (§4.1, Alg. 1-2): common-set matrix, both spectral estimators, report.
+"""Phase 1 end to end (§4.1, Alg. 1-2): common-set matrix, the spectral estimators, report.
 
 The stages (notebooks) and ``nv attack`` compose these functions; nothing here talks to a
 model except through the oracle passed in.
@@ -15,6 +15,7 @@ import numpy as np
 from nv.outputs import write_json
 from nv.plots import save
 from nv.plots.phase1 import spectrum_panels
+from nv.phase1 import incomplete
 from nv.phase1.prune import Pruned, greedy_prune
 from nv.phase1.sampling import SampledMatrix, collect, load_samples, observed_mask
 from nv.phase1.search import search_prompts
@@ -37,14 +38,17 @@ def common_set(sampled: SampledMatrix, pruned: Pruned | None = None) -> CommonSe
     return CommonSet(Y, pruned)
 
 
-def common_set_of(folder: Path) -> tuple[CommonSet, SampledMatrix]:
+def common_set_of(folder: Path, frac: float | None = None) -> tuple[CommonSet, SampledMatrix]:
     """``common_set`` of a sampling folder without holding its Y_hat: greedy pruning of the observation mask
-    (``observed_mask``, 5 bytes an entry), then only the common set's columns read. Returns it and that part of the
-    sample (its prompts' tokens, N and cost whole)."""
+    (``observed_mask``, 5 bytes an entry), then only the common set's columns read, and with ``frac`` also those seen
+    under >= frac of the prompts (the missing-data estimator's, ``incomplete.frequent``). Returns it and that part of
+    the sample (its prompts' tokens, N and cost whole)."""
     mask = observed_mask(folder)
     pruned, columns = greedy_prune(mask), np.zeros(mask.shape[1], dtype=bool)
-    del mask
     columns[pruned.cols] = True
+    if frac is not None:
+        columns[incomplete.frequent(mask, frac)] = True
+    del mask
     sampled = load_samples(folder, columns)
     return common_set(sampled, pruned), sampled
 
@@ -65,8 +69,31 @@ def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
     return {m: estimate_on(Y, m, spectrum[m]) for m in ("robust", "paper")}
 
 
+ESTIMATORS = ("robust", "paper", "incomplete")
+
+
+def estimate_all(S: SampledMatrix, Y: np.ndarray, spectrum: dict, seed: int, progress: bool = False
+                 ) -> dict[str, SpectrumEstimate]:
+    """``estimate_both`` on the common set Y of sample S, and the missing-data estimator (``nv.phase1.incomplete``) on
+    every observed entry of S's frequent tokens, anchored at the robust estimate's spectrum of Y; its detector is the
+    robust one's (``spectrum.robust``), its ladder ``spectrum.incomplete``."""
+    out = estimate_both(Y, spectrum)
+    out["incomplete"] = incomplete.estimate(S, incomplete.anchor(out["robust"], Y.shape), **spectrum["incomplete"],
+                                            **spectrum["robust"], seed=seed, progress=progress)
+    return out
+
+
 def _int(v) -> int | None:
     return None if v is None else int(v)
+
+
+def _incomplete_fields(e: SpectrumEstimate | None) -> dict:
+    """The missing-data estimate in a report (where it ran): its d_hat, lower bound, block shape and ladder."""
+    if e is None:
+        return {}
+    return {"d_hat_incomplete_raw": e.d_hat_raw, "d_hat_incomplete": e.d_hat, "incomplete_lower_bound": e.lower_bound,
+            "incomplete_block": [int(x) for x in e.diagnostics["shape"]],
+            "incomplete_rungs": [asdict(r) for r in e.diagnostics["rungs"]]}
 
 
 def report(
@@ -102,6 +129,7 @@ def report(
         "paper_reason": paper.reason,
         "i_sad": _int(paper.diagnostics.get("i_sad")),
         "i_peak": _int(paper.diagnostics.get("i_peak")),
+        **_incomplete_fields(estimates.get("incomplete")),
         "D": budget["D"],
         "D_prime": int(common_shape[0]),
         "common_set_size": int(common_shape[1]),
@@ -145,18 +173,19 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
 
 
 def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_true: int | None, search_cost: dict,
-                        adaptive: dict, out_dir: Path, whole: bool = True) -> tuple[dict, SampledMatrix]:
-    """Pruning and both estimators (Alg. 1 lines 6-7, Alg. 2) on the samples: writes ``report.json`` and
-    ``spectrum.png`` under ``out_dir``; returns the report and the samples: read back whole (a budget sweep's need),
-    or with ``whole`` false only the common set's columns (``common_set_of``: memory holds the observation mask, not
-    the sample's values). No oracle is needed (its model may be freed first); ``d_true`` (white-box) fills the error
-    columns only."""
+                        adaptive: dict, out_dir: Path, seed: int, whole: bool = True, progress: bool = True
+                        ) -> tuple[dict, SampledMatrix]:
+    """Pruning and the estimators (Alg. 1 lines 6-7, Alg. 2, ``estimate_all``) on the samples: writes ``report.json``
+    and ``spectrum.png`` under ``out_dir``; returns the report and the samples: read back whole (a budget sweep's need),
+    or with ``whole`` false only the common set's and the frequent tokens' columns (``common_set_of``: memory holds the
+    observation mask, not the sample's values). No oracle is needed (its model may be freed first); ``d_true``
+    (white-box) fills the error columns only."""
     if whole:
         sampled = load_samples(samples_dir)
         common = common_set(sampled)
     else:
-        common, sampled = common_set_of(samples_dir)
-    estimates = estimate_both(common.Y, spectrum)
+        common, sampled = common_set_of(samples_dir, spectrum["incomplete"]["frac"])
+    estimates = estimate_all(sampled, common.Y, spectrum, seed, progress)
     record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
     write_json(out_dir / "report.json", record)
     save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
@@ -168,4 +197,4 @@ def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None
     spectrum. Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report."""
     samples_dir, search_cost, adaptive = search_and_sample(oracle, params, out_dir, out_dir / ".checkpoints", progress)
     return estimate_and_report(samples_dir, params["spectrum"], model_name, d_true, search_cost, adaptive, out_dir,
-                               whole=False)[0]
+                               params["seed"], whole=False, progress=progress)[0]

@@ -1,7 +1,8 @@
 """Budget sweep (§5.2, Fig. val_plot): d_hat at nested budgets of the same prompts.
 
 The first N of the N_max calls of every prompt (hypergeometric thinning of the stored counts,
-``SampledMatrix.subsample``), pruned to the common set and given to both estimators. Each row carries
+``SampledMatrix.subsample``), pruned to the common set and given to every estimator (``estimate_all``: robust and
+paper on the common set, the missing-data one on the frequent tokens' observed entries). Each row carries
 the detector's interval: ``[d_hat_raw - tol, d_hat_raw + tol]`` with ``tol = max(3, 0.5 % of
 d_hat_raw)`` (the resolution the robust estimator is held to) when saturated, ``[lower bound, inf)``
 when not.
@@ -13,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.phase1.pipeline import common_set, estimate_both
+from nv.phase1.pipeline import common_set, estimate_all
 from nv.phase1.sampling import SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate, snap
 
@@ -39,7 +40,7 @@ def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, see
     for N in kept:
         sub = samples.subsample(N, seed)
         cs = common_set(sub)
-        estimates = estimate_both(cs.Y, spectrum)
+        estimates = estimate_all(sub, cs.Y, spectrum, seed)
         smallest = smallest or estimates
         for method, e in estimates.items():
             raw = e.d_hat_raw

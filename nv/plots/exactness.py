@@ -9,11 +9,12 @@ import pandas as pd
 from nv.phase1.exactness import OUTCOMES, cheapest_exact
 
 OUTCOME_COLORS = dict(zip(OUTCOMES, ("tab:green", "tab:orange", "0.65", "tab:red")))
+MARKERS = {"robust": (0.8, "s"), "paper": (1.0, "o"), "incomplete": (1.25, "D")}  # x shift of each estimator, marker
 
 
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None):
-    """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust) and a circle (paper
-    estimator) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
+    """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust), a circle (paper
+    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
     length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model, temperature, N, d_hat_raw, stop), a triangle
     where the adaptive loop stopped on all D prompts."""
@@ -24,7 +25,8 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     best = cheapest_exact(table).set_index(["model", "temperature", "method"])
-    shift = {"robust": (0.84, "s"), "paper": (1.19, "o")}
+    shift = {m: v for m, v in MARKERS.items() if m in set(table.method)}
+    offset = {"robust": 12, "paper": -18, "incomplete": 24}  # the cheapest cells' labels, clear of each other
     for ax, ((model, tau), g) in zip(axes.flat, panels):
         per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
         for method, (x, marker) in shift.items():
@@ -33,13 +35,13 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
                        edgecolors="k", linewidths=0.5, zorder=3)
             for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
                 said = f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else (
-                    f">={r.lower_bound:.0f}" if method == "robust" else "")
+                    f">={r.lower_bound:.0f}" if pd.notna(r.lower_bound) else "")
                 ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11), ha="center", fontsize=6)
             b = best.loc[(model, tau, method)]
             if np.isfinite(b.tokens):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
                 ax.annotate(f"{method}: {b.tokens:.2g} tokens", (b.N * x, b.D), textcoords="offset points",
-                            xytext=(0, 12 if method == "robust" else -18), ha="center", fontsize=7)
+                            xytext=(0, offset[method]), ha="center", fontsize=7)
         stops = adaptive[(adaptive.model == model) & (adaptive.temperature == tau) & adaptive.N.notna()] \
             if adaptive is not None and len(adaptive) else pd.DataFrame()
         for r in stops.itertuples():  # above the grid, clear of the cheapest cell's label
@@ -67,9 +69,10 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
         ax.set(xscale="log", yscale="log", xlim=(N_lo, N_hi), ylim=(D_lo, D_hi), xlabel="samples per prompt N",
                ylabel="prompts D", title=f"{model}, tau = {tau:g}, true d = {int(g.d_true.iloc[0])}")
     handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k", label=o) for o, c in OUTCOME_COLORS.items()]
-    handles += [plt.Line2D([], [], ls="", marker="s", mfc="w", mec="k", label="robust (left)"),
-                plt.Line2D([], [], ls="", marker="o", mfc="w", mec="k", label="paper (right)"),
-                plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
+    handles += [plt.Line2D([], [], ls="", marker=marker, mfc="w", mec="k", label=f"{method} ({where})")
+                for (method, (_, marker)), where in zip(shift.items(), ("left", "middle", "right") if len(shift) == 3
+                                                        else ("left", "right"))]
+    handles += [plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
     if adaptive is not None and len(adaptive):
         handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (all D)"))

@@ -143,24 +143,27 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
 
 
 def budget_sweep(table, d_true: int | None):
-    """Relative error of d_hat (raw) versus token budget for both estimators; failures marked."""
+    """Relative error of d_hat (raw) versus token budget for every estimator of the table; failures marked."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    for method, color in (("robust", "C1"), ("paper", "C0")):
+    styles = {"robust": ("C1", "x", 10, -14), "paper": ("C0", "+", 14, 6), "incomplete": ("C2", "1", 14, -26)}
+    for method, (color, marker, ms, dy) in styles.items():
         rows = table[table.method == method]
+        if rows.empty:
+            continue
         ok = rows[rows.d_hat_raw.notna()]
         ax.plot(ok.tokens, ok.rel_error * 100, "o-", color=color, label=f"{method}: d_hat")
         fail = rows[rows.d_hat_raw.isna()]
         for _, r in fail.iterrows():
-            ax.plot(r.tokens, 100, "x" if method == "robust" else "+", color=color, ms=10 if method == "robust" else 14)
-            ax.annotate(r.reason, (r.tokens, 100), textcoords="offset points", xytext=(0, 6 if method == "paper" else -14),
-                        ha="center", fontsize=7, color=color)
+            ax.plot(r.tokens, 100, marker, color=color, ms=ms)
+            ax.annotate(r.reason, (r.tokens, 100), textcoords="offset points", xytext=(0, dy), ha="center", fontsize=7,
+                        color=color)
     ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(-5, 115)
     ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
     ax.set_ylabel(f"relative error of d_hat (%), true d = {d_true}")
-    ax.set_title("Hidden-dimension error versus budget (x, +: no estimate, with the reason)")
+    ax.set_title("Hidden-dimension error versus budget (x, +, Y: no estimate, with the reason)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -43,11 +43,13 @@ def _colors(models) -> dict:
 
 def d_vs_budget(phase1: pd.DataFrame):
     """Fig. val_plot: signed relative error of d_hat_raw versus samples per prompt N, one faint line per model
-    and the bold mean of |error| over the models saturated at that N, both estimators. Unsaturated budgets:
-    red crosses in the no-estimate band; the robust estimator's lower bound as an open triangle."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    and the bold mean of |error| over the models saturated at that N, a panel per estimator. Unsaturated budgets:
+    red crosses in the no-estimate band; the robust and missing-data estimators' lower bound as an open triangle."""
+    methods = [m for m in ("robust", "paper", "incomplete") if (phase1.method == m).any()]
+    fig, axes = plt.subplots(1, len(methods), figsize=(6 * len(methods), 4.4), sharey=True, squeeze=False)
+    axes = axes[0]
     colors = _colors(phase1.model)
-    for ax, method in zip(axes, ("robust", "paper")):
+    for ax, method in zip(axes, methods):
         rows = phase1[phase1.method == method]
         top = 115.0
         for model, r in rows.groupby("model", sort=False):
@@ -57,12 +59,13 @@ def d_vs_budget(phase1: pd.DataFrame):
                     label=f"{model} (d = {int(r.d_true.iloc[0])})")
             fail = r[~r.saturated]
             fail_band(ax, fail.N, top, None)
-            if method == "robust" and len(fail):
+            if method != "paper" and len(fail):
                 ax.plot(fail.N, 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "v", mfc="none", color=colors[model], ms=7)
         mean = rows[rows.saturated].groupby("N").apply(lambda g: 100 * np.mean(np.abs(g.d_hat_raw - g.d_true) / g.d_true),
                                                           include_groups=False)
         ax.plot(mean.index, mean.values, "k_-", lw=2.5, ms=14, mew=2.5, label="mean |error| of the saturated models")
-        ax.plot([], [], "v", mfc="none", color="0.3", label="not saturated: lower bound (robust)")
+        if method != "paper":
+            ax.plot([], [], "v", mfc="none", color="0.3", label="not saturated: lower bound")
         ax.plot([], [], label="not saturated: no estimate", **FAIL)
         ax.axhline(0, color="0.6", lw=0.8)
         log_axis(ax, "samples per prompt N")
