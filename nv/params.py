@@ -130,6 +130,7 @@ SCHEMA: dict[str, dict] = {
         "N0": _POS_INT,
         "N_max": _POS_INT,
         "growth": ((int, float), lambda v: v > 1, "> 1"),
+        "estimator": _one_of("robust", "incomplete"),
         "temperature": _POS_NUM,
         "chunk": _POS_INT,
     },

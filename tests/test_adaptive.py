@@ -19,7 +19,7 @@ from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, 
 from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples, write_samples
 from nv.phase1.spectrum import estimate
-from synthetic import LowRankOracle
+from synthetic import LogProbOracle, LowRankOracle, incomplete_logprobs
 
 ROBUST = {"g": 8, "z_min": 8.0, "min_ratio": 1.05}
 PROMPTS = [f"prompt {q}" for q in range(80)]
@@ -143,6 +143,27 @@ def test_the_loop_stops_at_the_first_stable_round_with_the_true_rank(tmp_path):
     _, again, why2 = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "samples2", 300, tmp_path / "ck",
                                      {"m": "toy"}, progress=False, report=lines.append)
     assert oracle.sample_calls == before and again == rounds and why2 == why
+
+
+def test_with_the_missing_data_estimator_the_loop_stops_where_the_robust_one_cannot(tmp_path):
+    """Rank 60 under a bf16 floor (tests/synthetic.py), 400 prompts: the robust loop is not stable by N_max = 8,486
+    (alone it stops at 12,000 or 16,001, by its N_0); with ``ladder`` (sampling.estimator: incomplete) the rounds the robust estimate leaves
+    not saturated are asked of the missing-data estimator, and its loop stops by itself at 8,486 with the true rank,
+    its check the same estimator's."""
+    oracle = LogProbOracle(incomplete_logprobs())
+    prompts = [f"prompt {q}" for q in range(400)]
+    sampling = {"N0": 1500, "N_max": 8486, "growth": 2.0, "temperature": 2.0, "chunk": 100}
+    robust = {"g": 64, "z_min": 8.0, "min_ratio": 1.05}
+    ladder = {"frac": 0.6, "rungs": [0.8, 0.9], "tol": 0.005, "max_iters": 300}
+    lines = []
+    _, alone, why = sample_adaptive(oracle, prompts, sampling, robust, 0, tmp_path / "r", 3000, tmp_path / "ck",
+                                    {"m": "synthetic"}, progress=False, report=lambda line: None)
+    assert why == "N_max" and not any(r.saturated for r in alone[:3])
+    _, rounds, why = sample_adaptive(oracle, prompts, sampling, robust, 0, tmp_path / "i", 3000, tmp_path / "ck",
+                                     {"m": "synthetic"}, progress=False, report=lines.append, ladder=ladder)
+    assert why == "stable" and rounds[-1].d_hat_raw == 60 and rounds[-1].check_d_hat_raw in (59, 60, 61)
+    assert [r.N for r in rounds] == [r.N for r in alone] == [1500, 3000, 6000, 8486]
+    assert "(the missing-data estimator's)" in lines[-1]
 
 
 def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):

@@ -9,6 +9,10 @@ holds the observation mask for the pruning (5 bytes an entry) and the common set
 (12 bytes an entry, twice that while merging). On disk it takes ~12 bytes an entry, beside the rounds' own folders,
 up to twice that while the next merge or the check is written; the folder is removed when the loop ends or stops.
 
+With ``sampling.estimator: incomplete`` a round the robust estimate leaves not saturated is asked again of the
+missing-data estimator (``nv.phase1.incomplete``, on every observed entry of the tokens most prompts drew), and so is
+its check: that estimator answers at a fraction of the robust one's budget, at ~5-10 min of this CPU a round.
+
 Stop rule: the estimate is saturated at N_r and, on the same draws thinned to N_r / sqrt(2) (hypergeometric, no
 new calls), saturated again with d_hat_raw within +-1: the drop is not a fluke of the last draws. Two consecutive rounds (the issue's rule)
 would pay for a whole extra round to learn the same; thinning asks the same question of a nested sub-budget.
@@ -42,6 +46,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
+from nv.phase1 import incomplete
 from nv.phase1.pipeline import common_set_of, estimate_on
 from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, place, thin, write_samples
 from nv.phase1.spectrum import SpectrumEstimate
@@ -148,14 +153,29 @@ def round_estimate(Y: np.ndarray, robust: dict) -> tuple[SpectrumEstimate, tuple
     return estimate_on(Y, "robust", robust), Y.shape
 
 
-def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict, robust: dict,
-           check: Callable[[int], np.ndarray]) -> tuple[Round, bool]:
-    """Round r from the robust estimate ``est`` on its matrix Y (``shape``: D' x |C|; the common set of its merged
-    Y_hat of N_r = ``budget["N"]`` calls per prompt, or a view of it, ``nv.defences``) and its cost
-    (``SampledMatrix.budget``): when saturated, estimated again on ``check(N_r / sqrt(2))``, the matrix of the same
-    draws thinned to that N (hypergeometric); returns the round and whether the stop rule holds."""
+def folder_estimate(folder: Path, robust: dict, ladder: dict | None, seed: int
+                    ) -> tuple[SpectrumEstimate, tuple[int, int], SampledMatrix]:
+    """``round_estimate`` of the sample in ``folder`` (its common set, ``common_set_of``), and where that is not
+    saturated and ``ladder`` (``spectrum.incomplete``) is given, the missing-data estimate on its frequent tokens when it
+    is saturated (otherwise the robust one stands, its lower bound the ladder's anchor). Also the part of the sample
+    read (its prompts' tokens, N and cost whole)."""
+    common, S = common_set_of(folder, None if ladder is None else ladder["frac"])
+    est, shape = round_estimate(common.Y, robust)
+    del common
+    if ladder is not None and not est.saturated:
+        found = incomplete.estimate(S, incomplete.anchor(est, shape), **ladder, **robust, seed=seed)
+        est = found if found.saturated else est
+    return est, shape, S
+
+
+def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict,
+           check: Callable[[int], SpectrumEstimate]) -> tuple[Round, bool]:
+    """Round r from its estimate ``est`` on its matrix Y (``shape``: D' x |C|; the common set of its merged Y_hat of
+    N_r = ``budget["N"]`` calls per prompt, or a view of it, ``nv.defences``) and its cost (``SampledMatrix.budget``):
+    when saturated, estimated again by ``check(N_r / sqrt(2))``, on the same draws thinned to that N
+    (hypergeometric); returns the round and whether the stop rule holds."""
     check_N = max(1, int(budget["N"] / CHECK))
-    checked = estimate_on(check(check_N), "robust", robust) if est.saturated else est
+    checked = check(check_N) if est.saturated else est
     done = Round(r, budget["N"], *shape, est.saturated, est.d_hat_raw, est.lower_bound, check_N,
                  checked.d_hat_raw if est.saturated else None, budget["tokens"], budget["calls"])
     return done, stopped(est, checked)
@@ -173,11 +193,14 @@ def sample_adaptive(
     identity: dict,
     progress: bool = True,
     report: Callable[[str], None] | None = None,
+    ladder: dict | None = None,
 ) -> tuple[Path, list[Round], str]:
     """Sample in rounds until the stop rule holds, N_max is reached or the oracle refuses the next round (a budget
     cap: ``NVError`` from the oracle). Writes the merged Y_hat to ``out_dir`` (``load_samples`` reads it); returns
     it, the rounds and why the loop stopped ("stable", "N_max" or the cap's message). ``report`` gets each round's
-    line and the stop's (default: stderr, beside the progress bars; nothing without ``progress``)."""
+    line and the stop's (default: stderr, beside the progress bars; nothing without ``progress``). ``ladder``
+    (``spectrum.incomplete``, with ``sampling.estimator: incomplete``): the missing-data estimator also answers
+    (``folder_estimate``)."""
     if report is None:
         report = (lambda line: tqdm.write(line, file=sys.stderr)) if progress else (lambda line: None)
     N_max, growth = sampling["N_max"], sampling["growth"]
@@ -210,13 +233,12 @@ def sample_adaptive(
                 else:  # on disk, not in memory: a round's estimate holds the mask of the merged sample, not its values
                     merged = merge(merged, folder, work / f"merged-{r}")
                     shutil.rmtree(work / f"merged-{r - 1}", ignore_errors=True)
-                common, S = common_set_of(merged)
-                done, stable = assess(r, *round_estimate(common.Y, robust), S.budget(), robust,
-                                      lambda n: common_set_of(thin(merged, work / "check", n, seed))[0].Y)
-                del common
+                est, shape, S = folder_estimate(merged, robust, ladder, seed)
+                done, stable = assess(r, est, shape, S.budget(), lambda n: folder_estimate(
+                    thin(merged, work / "check", n, seed), robust, ladder, seed)[0])
                 shutil.rmtree(work / "check", ignore_errors=True)
                 rounds.append(done)
-                report(done.line())
+                report(done.line() + (" (the missing-data estimator's)" if est.method == "incomplete" else ""))
                 nxt = after(done, stable, N_max, growth)
                 if nxt is None:
                     why = "stable" if stable else "N_max"

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
-from nv.phase1.pipeline import common_set, estimate_all
+from nv.phase1.pipeline import common_set, estimate_all, estimate_on
 from nv.phase1.sampling import MANIFEST, SampledMatrix
 from nv.phase1.spectrum import SpectrumEstimate
 from nv.phase1.sweep import d_interval
@@ -215,7 +215,8 @@ def _assess_at(S: SampledMatrix, N: int, views: dict[Hashable, Callable[[Sampled
             checks[n] = S.subsample(N, seed, then=n)
         return checks[n]
 
-    return {key: assess(rounds[key], *at_N[key], budget, robust, lambda n, key=key: views[key](thinned(n))) for key in views}
+    return {key: assess(rounds[key], *at_N[key], budget,
+                        lambda n, key=key: estimate_on(views[key](thinned(n)), "robust", robust)) for key in views}
 
 
 def _common(S: SampledMatrix) -> np.ndarray:

@@ -142,17 +142,19 @@ def report(
     }
 
 
-def sample(oracle, prompts: list[str], sampling: dict, robust: dict, seed: int, out_dir: Path, checkpoint_root: Path,
+def sample(oracle, prompts: list[str], sampling: dict, spectrum: dict, seed: int, out_dir: Path, checkpoint_root: Path,
            identity: dict, progress: bool = True) -> tuple[Path, dict]:
     """Alg. 1 lines 1-5 into ``out_dir``: N calls per prompt, or adaptive rounds when ``sampling.N`` is 'auto'
-    (``nv.phase1.adaptive``; the rounds and why they stopped are returned for the report)."""
+    (``nv.phase1.adaptive``, stopping on ``sampling.estimator``, with ``spectrum``'s hyperparameters; the rounds and
+    why they stopped are returned for the report)."""
     if sampling["N"] != "auto":
         return collect(oracle, prompts, sampling["N"], sampling["temperature"], seed, out_dir, oracle.vocab_size,
                        checkpoint_root=checkpoint_root, identity=identity, chunk=sampling["chunk"], progress=progress), {}
     from nv.phase1.adaptive import sample_adaptive  # adaptive builds on this module's common_set
 
-    folder, rounds, why = sample_adaptive(oracle, prompts, sampling, robust, seed, out_dir, oracle.vocab_size, checkpoint_root,
-                                          identity, progress)
+    ladder = spectrum["incomplete"] if sampling["estimator"] == "incomplete" else None
+    folder, rounds, why = sample_adaptive(oracle, prompts, sampling, spectrum["robust"], seed, out_dir, oracle.vocab_size,
+                                          checkpoint_root, identity, progress, ladder=ladder)
     return folder, {"adaptive": [asdict(r) for r in rounds], "adaptive_stop": why}
 
 
@@ -167,7 +169,7 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
                             progress=progress)
     search_cost = oracle.cost.as_dict()
     (out_dir / "prompts.json").write_text(json.dumps(result.kept, ensure_ascii=False, indent=0) + "\n")
-    samples_dir, adaptive = sample(oracle, result.kept, sampling, params["spectrum"]["robust"], params["seed"],
+    samples_dir, adaptive = sample(oracle, result.kept, sampling, params["spectrum"], params["seed"],
                                    out_dir / "samples", checkpoint_root, {"model": params["model"]}, progress)
     return samples_dir, search_cost, adaptive
 
