@@ -273,12 +273,15 @@ def test_second_repro_reruns_nothing(project):
     assert "up to date" in dvc("status", cwd=project)
 
 
-def test_a_spectrum_parameter_changes_exactly_the_stages_that_declare_it(project):
-    """dvc.yaml's params: `spectrum.robust` is read by sampling (adaptive sampling's stop rule) and by every stage that
-    estimates a spectrum, and by nothing else (not the search, the model card, the timings or the sample complexity).
+@pytest.mark.parametrize("knob", ["robust", "incomplete"])
+def test_a_spectrum_parameter_changes_exactly_the_stages_that_declare_it(project, knob):
+    """dvc.yaml's params: `spectrum.robust` and `spectrum.incomplete` are read by sampling (adaptive sampling's stop
+    rule; the missing-data estimator's with sampling.estimator: incomplete) and by every stage that estimates a
+    spectrum, and by nothing else (not the search, the model card, the timings or the sample complexity).
     `dvc status` checks the declarations without the ~20 min rerun (DVC then reruns a stage downstream of these only
     where an output it reads changed); `dvc exp run` below does a real one-parameter rerun."""
-    before = edit_params(project, lambda p: p["spectrum"]["robust"].update(z_min=9.0))
+    edit = {"robust": {"z_min": 9.0}, "incomplete": {"tol": 0.01}}[knob]
+    before = edit_params(project, lambda p: p["spectrum"][knob].update(edit))
     assert changed(project) == {"sampling", "spectrum", "budget_sweep", "exactness", "carlini_baseline",
                                 "validation_phase1@qwen-0_5b", "validation", "defences"}
     (project / "params.yaml").write_text(before)
