@@ -68,7 +68,7 @@ TIMING_DEFAULTS = {"timing_k": 1.0, "context_length": 8192}
 def summary(record: dict) -> dict:
     """The attack's last line on stdout (JSON; the full report is OUT/report.json): the estimate, its cost, why the
     adaptive loop stopped, and phase 2's depth and size where it ran."""
-    out = {k: record[k] for k in ("model", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}
+    out = {k: record[k] for k in ("model", "estimator", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}
     out |= {k: record[k] for k in ("adaptive_stop", "cost") if k in record}
     if "timing" in record:
         out["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "L_interval", "P_hat", "P_interval", "note")}

@@ -84,3 +84,25 @@ def test_outcome_judges_its_lower_bound_like_the_robust_one():
         return SpectrumEstimate("incomplete", False, None, None, 64, lower, "not saturated", {})
 
     assert outcome(est(50), 60) == "not saturated" and outcome(est(70), 60) == "wrong"
+
+
+def test_a_report_headlines_the_missing_data_estimate_where_the_robust_one_abstains():
+    from nv.phase1.pipeline import report
+    from nv.phase1.spectrum import SpectrumEstimate
+
+    budget = {"D": 400, "N": 6000, "temperature": 2.0, "tokens": 10**7, "calls": 2.4 * 10**6}
+    none = {"sigma": np.empty(0)}
+    paper = SpectrumEstimate("paper", False, None, None, 128, None, "no saddle", none)
+    abstains = SpectrumEstimate("robust", False, None, None, 64, 40, "not saturated", none)
+    found = SpectrumEstimate("incomplete", True, 60, 64, 64, None, "ok", {"shape": (400, 900), "rungs": []})
+    unsure = SpectrumEstimate("incomplete", False, None, None, 64, 40, "not saturated", {"shape": (400, 900), "rungs": []})
+    exact = SpectrumEstimate("robust", True, 59, 64, 64, None, "ok", none)
+
+    def said(robust, incomplete, method="robust"):
+        r = report("m", 60, budget, (300, 200), {"robust": robust, "paper": paper, "incomplete": incomplete}, method)
+        return r["estimator"], r["d_hat_raw"], r["lower_bound"], r["d_hat_incomplete_raw"]
+
+    assert said(abstains, found) == ("incomplete", 60, None, 60)
+    assert said(abstains, unsure) == ("robust", None, 40, None)  # neither answers: robust's bound, the ladder's anchor
+    assert said(exact, found) == ("robust", 59, None, 60)  # robust answers: it stays the headline
+    assert said(abstains, found, "paper")[:2] == ("paper", None)  # another headline is never replaced

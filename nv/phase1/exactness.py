@@ -143,7 +143,9 @@ def threshold(table: pd.DataFrame) -> pd.DataFrame:
 def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
                      views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None]) -> dict[Hashable, tuple[list[Round], str]]:
     """The adaptive loop (``sampling.N: auto``) replayed on stored draws, once per view of them (draws -> the matrix Y
-    the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``).
+    the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``). The loop replayed is
+    the robust estimator's (``sampling.estimator: robust``; draws the loop itself sampled carry its own record,
+    ``adaptive_stop``).
     Round r assesses the view of the first N_r calls of each prompt of S as the live loop does (``assess``; thinning is
     exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2) (in one
     pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); views at the same N

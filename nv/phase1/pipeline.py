@@ -107,8 +107,12 @@ def report(
 ) -> dict:
     """The metrics record (metrics/hidden_dim.json, report.json): d_hat, errors, cost, landmarks.
 
-    ``budget`` is ``SampledMatrix.budget()``; ``common_shape`` is (D', |C|)."""
+    ``budget`` is ``SampledMatrix.budget()``; ``common_shape`` is (D', |C|). The headline is ``method``'s estimate;
+    where that is the robust one, not saturated, and ``estimates`` hold a saturated missing-data estimate
+    (``estimate_all``), that one: it answers from the entries the common block drops (``estimator`` says which)."""
     chosen, paper = estimates[method], estimates["paper"]
+    if method == "robust" and not chosen.saturated and getattr(estimates.get("incomplete"), "saturated", False):
+        method, chosen = "incomplete", estimates["incomplete"]
     search_cost = search_cost or {"calls": 0, "tokens": 0}
     rel = None if chosen.d_hat_raw is None or not d_true else abs(chosen.d_hat_raw - d_true) / d_true
     return {
