@@ -172,8 +172,9 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
         e = robust_from_singular_values(sigma, beta, z_min=z_min, min_ratio=min_ratio, g=g, min_side=SIDE)
         j = e.diagnostics.get("k_best")
         z = e.diagnostics.get("z", np.full(0, np.nan))
-        drops = np.flatnonzero((np.nan_to_num(z) >= z_min) & (e.diagnostics.get("gaps", z) >= np.log(min_ratio))) + 1
-        far = int(np.count_nonzero(np.abs(drops - j) > d_interval(k + j - 1, None)[1] - (k + j - 1))) if j else 0
+        drops = k + np.flatnonzero((np.nan_to_num(z) >= z_min) & (e.diagnostics.get("gaps", z) >= np.log(min_ratio)))
+        lo, hi = d_interval(k + j - 1, None) if j else (0, np.inf)  # the budget sweep's tolerance around the best
+        far = int(np.count_nonzero((drops < lo) | (drops > hi)))
         rung = Rung(k, None if e.d_hat_raw is None or far else k + e.d_hat_raw - 1,
                     k + _gavish_donoho_count(sigma, beta) - 1, float(np.nanmax(z)) if z.size else float("nan"),
                     float(sigma[j - 1] / sigma[j]) if j else float("nan"), far, sweeps)
