@@ -7,7 +7,7 @@ model except through the oracle passed in.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +69,20 @@ def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
     return {m: estimate_on(Y, m, spectrum[m]) for m in ("robust", "paper")}
 
 
-ESTIMATORS = ("robust", "paper", "incomplete")
-
-
 def estimate_all(S: SampledMatrix, Y: np.ndarray, spectrum: dict, seed: int, progress: bool = False
                  ) -> dict[str, SpectrumEstimate]:
-    """``estimate_both`` on the common set Y of sample S, and the missing-data estimator (``nv.phase1.incomplete``) on
-    every observed entry of S's frequent tokens, anchored at the robust estimate's spectrum of Y; its detector is the
-    robust one's (``spectrum.robust``), its ladder ``spectrum.incomplete``."""
+    """``estimate_both`` on the common set Y of sample S, and the missing-data estimator (``nv.phase1.incomplete``) as
+    the attack uses it: where the robust estimate on Y is saturated, that one (reason "ok: robust"; the report and the
+    adaptive loop never ask the ladder there, and it would be the costliest of its runs); elsewhere the ladder on
+    every observed entry of S's frequent tokens, anchored at the robust estimate's spectrum of Y, with the robust
+    detector (``spectrum.robust``) and ``spectrum.incomplete``."""
     out = estimate_both(Y, spectrum)
-    out["incomplete"] = incomplete.estimate(S, incomplete.anchor(out["robust"], Y.shape), **spectrum["incomplete"],
-                                            **spectrum["robust"], seed=seed, progress=progress)
+    if out["robust"].saturated:
+        out["incomplete"] = replace(out["robust"], method="incomplete", reason="ok: robust",
+                                    diagnostics={"shape": None, "rungs": []})
+    else:
+        out["incomplete"] = incomplete.estimate(S, incomplete.anchor(out["robust"], Y.shape), **spectrum["incomplete"],
+                                                **spectrum["robust"], seed=seed, progress=progress)
     return out
 
 
@@ -92,7 +95,7 @@ def _incomplete_fields(e: SpectrumEstimate | None) -> dict:
     if e is None:
         return {}
     return {"d_hat_incomplete_raw": e.d_hat_raw, "d_hat_incomplete": e.d_hat, "incomplete_lower_bound": e.lower_bound,
-            "incomplete_block": [int(x) for x in e.diagnostics["shape"]],
+            "incomplete_block": None if e.diagnostics["shape"] is None else [int(x) for x in e.diagnostics["shape"]],
             "incomplete_rungs": [asdict(r) for r in e.diagnostics["rungs"]]}
 
 
