@@ -30,7 +30,7 @@ from nv.models.reference_family import Shape, random_llama, shape_from_entry, wr
 from nv.params import load_params
 from nv.phase1.planner import fit, pilot_of
 from nv.phase1.sampling import load_samples
-from nv.phase1.sweep import d_interval
+from nv.phase1.spectrum import d_interval
 
 from _common import GIB, verdict
 

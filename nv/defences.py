@@ -48,7 +48,7 @@ from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.prune import greedy_prune
 from nv.phase1.sampling import SampledMatrix
-from nv.phase1.sweep import d_interval
+from nv.phase1.spectrum import d_interval
 from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 

@@ -304,7 +304,7 @@ def live_fields(oracle: HTTPOracle, record: dict, prompts: list[str], samples: P
     data (``samples``: phase 1's folder, of which only the greedy tokens' columns are read), so a resumed or
     fault-ridden run reports the same; ``http`` is this process's traffic."""
     from nv.phase1.sampling import load_samples
-    from nv.phase1.sweep import d_interval
+    from nv.phase1.spectrum import d_interval
 
     greedy = np.zeros(oracle.vocab_size, dtype=bool)
     greedy[[col for col, _ in oracle.greedy.values() if col >= 0]] = True

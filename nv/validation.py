@@ -6,7 +6,7 @@ stages). Phase 2 is evaluated in two setups: ``F``, the target against the rando
 only (as the section stages do), and ``all``, leave-one-out among every timed model (the references and the
 other real models, with their true facts): the paper's setup. L_hat and P_hat, the rule choosing between
 the paper's two depth estimators and the calibrated 90 % intervals are ``nv.phase2.intervals``'s (the live attack
-uses the same); d's interval is the detector's (``nv.phase1.sweep.d_interval``). Beside the attacker-side P_hat:
+uses the same); d's interval is the detector's (``nv.phase1.spectrum.d_interval``). Beside the attacker-side P_hat:
 Eq. 3 with the paper's default ratios and with the target's true ratios (an oracle, for comparison). Coverage of
 the intervals is counted over every (model, budget).
 """

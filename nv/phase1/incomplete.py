@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.phase1.sampling import SampledMatrix
-from nv.phase1.spectrum import SpectrumEstimate, _gavish_donoho_count, robust_from_singular_values, snap
+from nv.phase1.spectrum import SpectrumEstimate, _gavish_donoho_count, d_interval, robust_from_singular_values, snap
 
 
 SIDE = 5  # the detector's min_side: gaps it wants on each side of a drop (robust_from_singular_values)
@@ -155,8 +155,6 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
     - a rung whose residual has a second drop away from its best gives none. Next to the drop at d the last
       directions part from each other too (SmolLM2 at N = 7·10^4: ratios 1.086 after 576 and 1.052 after 575):
       drops within the budget sweep's tolerance of the best are one."""
-    from nv.phase1.sweep import d_interval  # the sweep builds on the pipeline, which builds on this module
-
     b = block(S, frac)
     shape = b.X.shape
     beta = min(shape) / max(shape)

@@ -210,6 +210,15 @@ def robust_from_singular_values(
     return SpectrumEstimate("robust", True, best + 1, snap(best + 1, g), g, None, "ok", diag)
 
 
+def d_interval(raw: int | None, lower_bound: int | None) -> tuple[float, float]:
+    """The detector's interval for d: [d_hat_raw - tol, d_hat_raw + tol] with tol = max(3, 0.5 % of d_hat_raw) (the
+    resolution the robust estimator is held to) around a saturated d_hat_raw, [lower bound, inf) otherwise."""
+    if raw is None:
+        return float(lower_bound or 0), np.inf
+    tol = max(3.0, 0.005 * raw)
+    return raw - tol, raw + tol
+
+
 METHODS = {"robust": robust, "paper": paper}
 
 

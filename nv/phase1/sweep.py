@@ -3,9 +3,8 @@
 The first N of the N_max calls of every prompt (hypergeometric thinning of the stored counts,
 ``SampledMatrix.subsample``), pruned to the common set and given to every estimator (``estimate_all``: robust and
 paper on the common set, the missing-data one on the frequent tokens' observed entries). Each row carries
-the detector's interval: ``[d_hat_raw - tol, d_hat_raw + tol]`` with ``tol = max(3, 0.5 % of
-d_hat_raw)`` (the resolution the robust estimator is held to) when saturated, ``[lower bound, inf)``
-when not.
+the detector's interval (``nv.phase1.spectrum.d_interval``): ``[d_hat_raw - tol, d_hat_raw + tol]`` with
+``tol = max(3, 0.5 % of d_hat_raw)`` when saturated, ``[lower bound, inf)`` when not.
 """
 
 from __future__ import annotations
@@ -16,15 +15,7 @@ import pandas as pd
 from nv.errors import NVError
 from nv.phase1.pipeline import common_set, estimate_all
 from nv.phase1.sampling import SampledMatrix
-from nv.phase1.spectrum import SpectrumEstimate, snap
-
-
-def d_interval(raw: int | None, lower_bound: int | None) -> tuple[float, float]:
-    """The detector's interval for d: around a saturated d_hat_raw, or above the lower bound."""
-    if raw is None:
-        return float(lower_bound or 0), np.inf
-    tol = max(3.0, 0.005 * raw)
-    return raw - tol, raw + tol
+from nv.phase1.spectrum import SpectrumEstimate, d_interval, snap
 
 
 def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, seed: int, d_true: int | None,

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.phase1.sweep import d_interval
+from nv.phase1.spectrum import d_interval
 
 WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls": "none"}
 OFFSET = (-0.12, 0.0, 0.12)  # x offsets of the variants' crosses in the band, so that none hides another
