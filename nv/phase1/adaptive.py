@@ -46,8 +46,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
-from nv.phase1 import incomplete
-from nv.phase1.pipeline import common_set_of, estimate_on
+from nv.phase1.pipeline import common_set_of, estimate_on, missing_data
 from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, place, thin, write_samples
 from nv.phase1.spectrum import SpectrumEstimate
 
@@ -155,15 +154,15 @@ def round_estimate(Y: np.ndarray, robust: dict) -> tuple[SpectrumEstimate, tuple
 
 def folder_estimate(folder: Path, robust: dict, ladder: dict | None, seed: int
                     ) -> tuple[SpectrumEstimate, tuple[int, int], SampledMatrix]:
-    """``round_estimate`` of the sample in ``folder`` (its common set, ``common_set_of``), and where that is not
-    saturated and ``ladder`` (``spectrum.incomplete``) is given, the missing-data estimate on its frequent tokens when it
-    is saturated (otherwise the robust one stands, its lower bound the ladder's anchor). Also the part of the sample
-    read (its prompts' tokens, N and cost whole)."""
+    """``round_estimate`` of the sample in ``folder`` (its common set, ``common_set_of``), and with ``ladder``
+    (``spectrum.incomplete``, for ``sampling.estimator: incomplete``) ``missing_data``'s where that is saturated
+    (otherwise the robust one stands, its lower bound the ladder's anchor). Also the part of the sample read (its
+    prompts' tokens, N and cost whole)."""
     common, S = common_set_of(folder, None if ladder is None else ladder["frac"])
     est, shape = round_estimate(common.Y, robust)
     del common
     if ladder is not None and not est.saturated:
-        found = incomplete.estimate(S, incomplete.anchor(est, shape), **ladder, **robust, seed=seed)
+        found = missing_data(S, est, shape, {"robust": robust, "incomplete": ladder}, seed)
         est = found if found.saturated else est
     return est, shape, S
 

@@ -24,8 +24,7 @@ from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_all, estimate_on
 from nv.phase1.sampling import MANIFEST, SampledMatrix
-from nv.phase1.spectrum import SpectrumEstimate
-from nv.phase1.spectrum import d_interval
+from nv.phase1.spectrum import SpectrumEstimate, d_interval
 
 OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
 

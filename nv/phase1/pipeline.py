@@ -69,20 +69,23 @@ def estimate_both(Y: np.ndarray, spectrum: dict) -> dict[str, SpectrumEstimate]:
     return {m: estimate_on(Y, m, spectrum[m]) for m in ("robust", "paper")}
 
 
+def missing_data(S: SampledMatrix, robust: SpectrumEstimate, shape: tuple[int, int], spectrum: dict, seed: int,
+                 progress: bool = False) -> SpectrumEstimate:
+    """The missing-data estimator (``nv.phase1.incomplete``) as the attack uses it: where the ``robust`` estimate on the
+    common set (of ``shape``) is saturated, that one (reason "ok: robust"; the ladder would be its costliest there);
+    elsewhere the ladder on every observed entry of S's frequent tokens, anchored at the robust estimate's spectrum,
+    with the robust detector (``spectrum.robust``) and ``spectrum.incomplete``."""
+    if robust.saturated:
+        return replace(robust, method="incomplete", reason="ok: robust", diagnostics={"shape": None, "rungs": []})
+    return incomplete.estimate(S, incomplete.anchor(robust, shape), **spectrum["incomplete"], **spectrum["robust"],
+                               seed=seed, progress=progress)
+
+
 def estimate_all(S: SampledMatrix, Y: np.ndarray, spectrum: dict, seed: int, progress: bool = False
                  ) -> dict[str, SpectrumEstimate]:
-    """``estimate_both`` on the common set Y of sample S, and the missing-data estimator (``nv.phase1.incomplete``) as
-    the attack uses it: where the robust estimate on Y is saturated, that one (reason "ok: robust"; the report and the
-    adaptive loop never ask the ladder there, and it would be the costliest of its runs); elsewhere the ladder on
-    every observed entry of S's frequent tokens, anchored at the robust estimate's spectrum of Y, with the robust
-    detector (``spectrum.robust``) and ``spectrum.incomplete``."""
+    """``estimate_both`` on the common set Y of sample S, and ``missing_data`` beside them."""
     out = estimate_both(Y, spectrum)
-    if out["robust"].saturated:
-        out["incomplete"] = replace(out["robust"], method="incomplete", reason="ok: robust",
-                                    diagnostics={"shape": None, "rungs": []})
-    else:
-        out["incomplete"] = incomplete.estimate(S, incomplete.anchor(out["robust"], Y.shape), **spectrum["incomplete"],
-                                                **spectrum["robust"], seed=seed, progress=progress)
+    out["incomplete"] = missing_data(S, out["robust"], Y.shape, spectrum, seed, progress)
     return out
 
 
