@@ -153,8 +153,9 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
       tests/synthetic.py at 40 prompts gave 19 for 12 on both rungs. The common block is the estimate there.
     - k stays >= 6 below the anchor, so a drop at d is eligible for the detector (>= 5 gaps left of it).
     - a rung whose residual has a second drop away from its best gives none. Next to the drop at d the last
-      directions part from each other too (SmolLM2 at N = 7·10^4: ratios 1.086 after 576 and 1.052 after 575):
-      drops within the budget sweep's tolerance of the best are one."""
+      directions part from each other too (SmolLM2 at N = 7·10^4, k = 331: z 17.1 after 576, z 8.1 after 575; at
+      k = 372 a second drop passed, and a guard refusing any second drop refused that rung): drops within the budget
+      sweep's tolerance of the best are one."""
     b = block(S, frac)
     shape = b.X.shape
     beta = min(shape) / max(shape)
