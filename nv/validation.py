@@ -34,7 +34,7 @@ def _duration(notebook: Path) -> float:
 
 
 def load_phase1(root: Path, main: str, items: list[str]) -> pd.DataFrame:
-    """Every real model's budget sweep (both estimators) with its search cost and phase-1 wall time: the
+    """Every real model's budget sweep (every estimator) with its search cost and phase-1 wall time: the
     section stages' for ``main`` (model.spec), ``validation_phase1@ITEM``'s for each item."""
     out = root / "outputs"
     main_metrics = read_json(root / "metrics" / "hidden_dim.json", "spectrum")
