@@ -61,12 +61,13 @@ def main() -> int:
             Y = common_set(T).Y
             robust = estimate_on(Y, "robust", spectrum["robust"])
             t_common = time.perf_counter() - start
-            inc = incomplete.estimate(T, incomplete.anchor(robust, Y.shape), **spectrum["incomplete"], **spectrum["robust"],
-                                      seed=params["seed"], progress=True)
+            anchor = incomplete.anchor(robust, Y.shape)
+            inc = incomplete.estimate(T, anchor, **spectrum["incomplete"], **spectrum["robust"], seed=params["seed"],
+                                      progress=True)
             seconds = time.perf_counter() - start - t_common
             shape = inc.diagnostics["shape"]
             row = {"N": N, "D": T.D, "tokens": T.tokens(), "common": list(Y.shape), "R_common": float(edge_ratio(*Y.shape)),
-                   "robust": said(robust), "anchor": incomplete.anchor(robust, Y.shape), "block": list(shape),
+                   "robust": said(robust), "anchor": anchor, "block": list(shape),
                    "observed": inc.diagnostics["observed"],
                    "incomplete": said(inc), "rungs": [asdict(r) for r in inc.diagnostics["rungs"]],
                    "seconds": seconds, "peak_gib": peak_rss()}
