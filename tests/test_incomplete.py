@@ -29,7 +29,9 @@ def test_recovers_the_rank_where_the_complete_block_cannot(seed):
 def test_pure_noise_is_not_saturated_and_keeps_the_anchor():
     e = incomplete.estimate(incomplete_sample(noise_only=True), 40)
     assert not e.saturated and e.d_hat_raw is None and e.lower_bound == 40
-    assert [r.k for r in e.diagnostics["rungs"]] == [32, 34]  # 0.9 x 40 capped 6 below the anchor
+    assert [r.k for r in e.diagnostics["rungs"]] == [32]  # 0.8 x 40; no answer, and the one rung left cannot agree
+    capped = incomplete.estimate(incomplete_sample(noise_only=True), 40, rungs=(0.95, 1.0))
+    assert not capped.saturated and [r.k for r in capped.diagnostics["rungs"]] == [34]  # 6 below the anchor
 
 
 def test_too_few_draws_is_not_saturated():

@@ -92,13 +92,20 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, U: np.ndarray | Non
         start[:, :U.shape[1]] = U
     U = np.linalg.qr(F @ (F.T @ start))[0]
     missing = ~b.M
+    # the two rms as row-wise dot products with 0/1 weights, summed in float64: boolean gathers over the whole block
+    # (single-threaded, a copy each) took half of every sweep
+    observed_w, missing_w = b.M.astype(np.float32), missing.astype(np.float32)
+    n_observed, n_missing = max(int(np.count_nonzero(b.M)), 1), int(np.count_nonzero(missing))
     bar = tqdm(range(1, max_iters + 1), desc=f"incomplete EM, k = {k}", disable=not progress, leave=False)
     for sweep in bar:
         A = U.T @ F
         L = U @ A
-        change = float(np.sqrt(np.mean((L[missing] - F[missing]) ** 2))) if missing.any() else 0.0
-        F[missing] = L[missing]
-        residual = float(np.sqrt(np.mean((X[b.M] - L[b.M]) ** 2)))
+        sq = L - F  # F = X where observed: the residual there, the imputed entries' move elsewhere
+        sq *= sq
+        change = float(np.sqrt(np.einsum("ij,ij->i", sq, missing_w).sum(dtype=np.float64) / n_missing)) \
+            if n_missing else 0.0
+        residual = float(np.sqrt(np.einsum("ij,ij->i", sq, observed_w).sum(dtype=np.float64) / n_observed))
+        np.copyto(F, L, where=missing)
         bar.set_postfix(moved=f"{change / residual:.4f} of the residual")
         if change < tol * residual:
             break
@@ -142,7 +149,8 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
              max_iters: int = 300, g: int = 64, z_min: float = 8.0, min_ratio: float = 1.05, seed: int = 0,
              progress: bool = False) -> SpectrumEstimate:
     """Steps 1-4 at k = each of ``rungs`` x ``anchor_count`` (``anchor``; module docstring), each rung warm-started from
-    the one below. Saturated only when two consecutive rungs give d_hat_raw within +-1; otherwise not saturated with
+    the one below. Saturated only when two consecutive rungs give d_hat_raw within +-1 (a rung without an answer
+    leaves the ladder where fewer than two rungs are left above it: the same outcome); otherwise not saturated with
     the anchor as the lower bound (a rung's own bound, k + GD count - 1, overshot d by one on synthetic data, so it is
     only reported). ``diagnostics``: the rungs, the block's shape, its observed share and its missing entries.
 
@@ -178,6 +186,8 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
                     k + _gavish_donoho_count(sigma, beta) - 1, float(np.nanmax(z)) if z.size else float("nan"),
                     float(sigma[j - 1] / sigma[j]) if j else float("nan"), far, sweeps)
         out.append(rung)
+        if rung.d_hat_raw is None and len(ks) - len(out) < 2:
+            break  # two more rungs would have to agree: none can answer now (the rest are the costliest)
         if len(out) >= 2 and None not in (out[-1].d_hat_raw, out[-2].d_hat_raw) \
                 and abs(out[-1].d_hat_raw - out[-2].d_hat_raw) <= 1:
             d = out[-1].d_hat_raw
