@@ -12,7 +12,8 @@ unbiased; erasures only thin the signal.
 1. Block (``block``): the D x C matrix X of the columns observed under >= ``frac`` of the prompts, its mask M, and
    q_j, column j's observed share.
 2. Strong part (``strong_fit``): hard-impute EM at rank k (the missing entries refilled from the rank-k fit L, which
-   one step of subspace iteration updates per sweep, warm-started from the rung below).
+   one step of subspace iteration updates per sweep; Nesterov's momentum on the refill; warm-started from the rung
+   below, its L and U).
 3. Residual: R = M o (X - L) / sqrt(q_j). Its signal is the d + 1 - k directions beyond k, thinned to q_j by the
    erasures; 1 / sqrt(q_j) makes the floor's variance the same in every column. The erasures also turn the residual
    signal at the missing entries into noise of variance (1 - q_j) sum_{i > k} s_i^2, so k must reach far into the
@@ -74,44 +75,60 @@ def block(S: SampledMatrix, frac: float) -> Block:
     return Block(X, M, M.mean(axis=0), columns)
 
 
-def strong_fit(b: Block, k: int, tol: float, max_iters: int, U: np.ndarray | None = None, seed: int = 0,
-               progress: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
-    """Step 2: hard-impute EM at rank k: L = U U^T F with F = X on M and L elsewhere, U refreshed by one subspace-
-    iteration step per sweep (on the sweep's product, U <- orth(F A^T) with A = U^T F of the sweep before), until the
-    imputed entries move by less than ``tol`` x the rms of the observed residual (or ``max_iters`` sweeps). Float32
-    products (the floor is ~10^-3 of the entries' scale, float32's rounding 10^-7). ``U`` (D x k' orthonormal, k' <= k)
-    warm-starts it. Returns L, U and the sweeps run."""
+def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndarray, np.ndarray] | None = None,
+               seed: int = 0, progress: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """Step 2: hard-impute EM at rank k: L = U U^T F with F = X on M and, elsewhere, L extrapolated with Nesterov's
+    momentum (L_t + (t - 1) / (t + 2) (L_t - L_{t-1})), U refreshed by one subspace-iteration step per sweep (on the
+    sweep's product, U <- orth(F A^T) with A = U^T F of the sweep before), until the imputed entries move by less than
+    ``tol`` x the rms of the observed residual (or ``max_iters`` sweeps). Float32 products (the floor is ~10^-3 of the
+    entries' scale, float32's rounding 10^-7). ``warm``: the (L, U) of a fit at rank k' <= k (the rung below), whose L
+    fills the missing entries and U the first k' start vectors; else column means and random vectors. Returns L
+    (float32), U and the sweeps run.
+
+    The momentum and the warm L (README: where phase 1 becomes exact) cut the sweeps 2-12x with the same estimate:
+    SmolLM2's 1,500 x 27,876 block at N = 3·10^5, rungs k = 395 and 444: 122 and 239 sweeps without, 53 and 20 with,
+    576 both ways (drop ratios 1.0987 / 1.0979 and 1.1097 / 1.1105)."""
     D, C = b.X.shape
     if not 1 <= k < min(D, C):
         raise NVError(f"rank {k} of the strong part must be in [1, {min(D, C) - 1}]")
     X = b.X.astype(np.float32)
-    col_mean = X.sum(axis=0) / np.maximum(b.M.sum(axis=0), 1)
-    F = np.where(b.M, X, col_mean[None, :])
-    start = np.random.default_rng(seed).standard_normal((D, k)).astype(np.float32)
-    if U is not None:
-        start[:, :U.shape[1]] = U
-    U = np.linalg.qr(F @ (F.T @ start))[0]
     missing = ~b.M
+    start = np.random.default_rng(seed).standard_normal((D, k)).astype(np.float32)
+    if warm is None:
+        col_mean = X.sum(axis=0) / np.maximum(b.M.sum(axis=0), 1)
+        F = np.where(b.M, X, col_mean[None, :])
+    else:
+        F = np.where(b.M, X, warm[0])
+        start[:, :warm[1].shape[1]] = warm[1]
+    U = np.linalg.qr(F @ (F.T @ start))[0]
     # the two rms as row-wise dot products with 0/1 weights, summed in float64: boolean gathers over the whole block
-    # (single-threaded, a copy each) took half of every sweep
+    # (single-threaded, a copy each) took half of every sweep; three preallocated D x C buffers, none allocated per sweep
     observed_w, missing_w = b.M.astype(np.float32), missing.astype(np.float32)
     n_observed, n_missing = max(int(np.count_nonzero(b.M)), 1), int(np.count_nonzero(missing))
+    L, L_before, work = (np.empty_like(F) for _ in range(3))
     bar = tqdm(range(1, max_iters + 1), desc=f"incomplete EM, k = {k}", disable=not progress, leave=False)
     for sweep in bar:
         A = U.T @ F
-        L = U @ A
-        sq = L - F  # F = X where observed: the residual there, the imputed entries' move elsewhere
-        sq *= sq
-        change = float(np.sqrt(np.einsum("ij,ij->i", sq, missing_w).sum(dtype=np.float64) / n_missing)) \
+        np.matmul(U, A, out=L)
+        np.subtract(L, F, out=work)  # F = X where observed: the residual there, the imputed entries' move elsewhere
+        work *= work
+        change = float(np.sqrt(np.einsum("ij,ij->i", work, missing_w).sum(dtype=np.float64) / n_missing)) \
             if n_missing else 0.0
-        residual = float(np.sqrt(np.einsum("ij,ij->i", sq, observed_w).sum(dtype=np.float64) / n_observed))
-        np.copyto(F, L, where=missing)
+        residual = float(np.sqrt(np.einsum("ij,ij->i", work, observed_w).sum(dtype=np.float64) / n_observed))
         bar.set_postfix(moved=f"{change / residual:.4f} of the residual")
         if change < tol * residual:
             break
+        if sweep == 1:
+            np.copyto(F, L, where=missing)
+        else:
+            np.subtract(L, L_before, out=work)
+            work *= (sweep - 1) / (sweep + 2)
+            work += L
+            np.copyto(F, work, where=missing)
+        L, L_before = L_before, L
         U = np.linalg.qr(F @ A.T)[0]
     bar.close()
-    return L.astype(np.float64), U, sweep
+    return L, U, sweep
 
 
 def residual_singular_values(b: Block, L: np.ndarray, k: int) -> np.ndarray:
@@ -171,10 +188,11 @@ def estimate(S: SampledMatrix, anchor_count: int, *, frac: float = 0.6, rungs=(0
     missing = int(b.M.size - np.count_nonzero(b.M))
     ks = [k for k in ks if 1 <= k < min(shape) - 2 * SIDE - 2 and missing >= min(shape)]  # SIDE gaps each side of a drop
     out: list[Rung] = []
-    U = None
+    warm = None
     diag = {"rungs": out, "shape": shape, "observed": float(b.M.mean()) if b.M.size else 0.0, "missing": missing}
     for k in ks:
-        L, U, sweeps = strong_fit(b, k, tol, max_iters, U, seed, progress)
+        L, U, sweeps = strong_fit(b, k, tol, max_iters, warm, seed, progress)
+        warm = L, U
         sigma = residual_singular_values(b, L, k)
         e = robust_from_singular_values(sigma, beta, z_min=z_min, min_ratio=min_ratio, g=g, min_side=SIDE)
         j = e.diagnostics.get("k_best")
