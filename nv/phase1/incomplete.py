@@ -105,9 +105,10 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
     # (single-threaded, a copy each) took half of every sweep; three preallocated D x C buffers, none allocated per sweep
     observed_w, missing_w = b.M.astype(np.float32), missing.astype(np.float32)
     n_observed, n_missing = max(int(np.count_nonzero(b.M)), 1), int(np.count_nonzero(missing))
-    L, L_before, work = (np.empty_like(F) for _ in range(3))
+    L, L_before, work = np.zeros_like(F), np.zeros_like(F), np.empty_like(F)
     bar = tqdm(range(1, max_iters + 1), desc=f"incomplete EM, k = {k}", disable=not progress, leave=False)
     for sweep in bar:
+        L, L_before = L_before, L  # the sweep before's fit is L_{t-1}; L is always this sweep's (also after the last)
         A = U.T @ F
         np.matmul(U, A, out=L)
         np.subtract(L, F, out=work)  # F = X where observed: the residual there, the imputed entries' move elsewhere
@@ -118,14 +119,10 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
         bar.set_postfix(moved=f"{change / residual:.4f} of the residual")
         if change < tol * residual:
             break
-        if sweep == 1:
-            np.copyto(F, L, where=missing)
-        else:
-            np.subtract(L, L_before, out=work)
-            work *= (sweep - 1) / (sweep + 2)
-            work += L
-            np.copyto(F, work, where=missing)
-        L, L_before = L_before, L
+        np.subtract(L, L_before, out=work)  # the momentum's weight is 0 at the first sweep
+        work *= (sweep - 1) / (sweep + 2)
+        work += L
+        np.copyto(F, work, where=missing)
         U = np.linalg.qr(F @ A.T)[0]
     bar.close()
     return L, U, sweep
