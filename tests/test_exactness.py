@@ -74,6 +74,23 @@ def test_grid_is_nested_and_finds_the_rank(toy):
     assert set(table.outcome) <= set(OUTCOMES)
 
 
+def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path):
+    """The budget sweep of the same draws is the grid's column of all S.D prompts (the same thinning and estimators):
+    read from its CSV, the table is the one computed, to the byte; a sweep of other draws is refused."""
+    oracle, S = toy
+    fresh = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    budget_sweep(S, [1000, 16_000], SPECTRUM, 0, oracle.rank)[0].to_csv(tmp_path / "sweep.csv", index=False)
+    swept = pd.read_csv(tmp_path / "sweep.csv")
+    read = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=swept)
+    assert read.to_csv(index=False) == fresh.to_csv(index=False)
+    marked = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
+                  sweep=swept.assign(reason="from the sweep"))
+    assert set(marked[marked.D == 80].reason) == {"from the sweep"} and "from the sweep" not in set(marked[marked.D == 40].reason)
+    other = budget_sweep(first(S, 40), [1000], SPECTRUM, 0, oracle.rank)[0]
+    with pytest.raises(NVError, match="not of these draws: at N = 1,000"):
+        grid(S, [80], [1000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=other)
+
+
 def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     oracle, S = toy
     table = grid(S, [10, 40, 80], [60, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)

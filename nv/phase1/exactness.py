@@ -74,10 +74,13 @@ GRID_COLUMNS = ["model", "temperature", "D", "N", "tokens", "calls", "D_prime", 
 
 
 def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int, d_true: int,
-         model: str, progress: bool = True) -> pd.DataFrame:
+         model: str, progress: bool = True, sweep: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (N, D, estimator) of the sample ``S`` (at its temperature): the common set, the estimate, its
-    outcome and the cell's cost. Values above S's own D or N are left out."""
+    outcome and the cell's cost. Values above S's own D or N are left out. ``sweep``: the budget sweep of S itself
+    (``nv.phase1.sweep.budget_sweep``, the same spectrum and seed), whose rows are the cells of all S.D prompts at
+    its budgets, the same thinning and estimators: read, not computed again (their tokens and calls checked)."""
     D_values, N_values = sorted(v for v in D_values if v <= S.D), sorted(v for v in N_values if v <= S.N)
+    known = {} if sweep is None or S.D not in D_values else dict(list(sweep.groupby("N", sort=False)))
     rows = []
     bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {S.temperature:g}",
                unit="cell", disable=not progress)
@@ -85,6 +88,10 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
         thinned = S.subsample(N, seed)
         for D in D_values:
             cell = first(thinned, D)
+            if D == S.D and N in known:
+                rows += _swept(known[N], cell, d_true, model)
+                bar.update()
+                continue
             cs = common_set(cell)
             for method, e in estimate_all(cell, cs.Y, spectrum, seed).items():
                 rows.append({"model": model, "temperature": S.temperature, "D": D, "N": N, "tokens": cell.tokens(),
@@ -96,6 +103,22 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
         thinned = cell = None  # freed before the next N's thinning (the cells are views of it)
     bar.close()
     return pd.DataFrame(rows, columns=GRID_COLUMNS)
+
+
+def _swept(at_N: pd.DataFrame, cell: SampledMatrix, d_true: int, model: str) -> list[dict]:
+    """The budget sweep's rows at one N as the grid's rows of ``cell`` (all of the sample's prompts thinned to N)."""
+    if (at_N.tokens != cell.tokens()).any() or (at_N.calls != cell.calls()).any():
+        raise NVError(f"the budget sweep given to the exactness grid is not of these draws: at N = {cell.N:,} it has "
+                      f"{at_N.tokens.iloc[0]:,} tokens, the draws {cell.tokens():,}")
+    rows = []
+    for r in at_N.to_dict("records"):
+        raw, bound = (None if pd.isna(r[key]) else int(r[key]) for key in ("d_hat_raw", "lower_bound"))
+        e = SpectrumEstimate(r["method"], raw is not None, raw, None, None, bound, r["reason"])
+        rows.append({"model": model, "temperature": cell.temperature, "D": cell.D, "N": cell.N, "tokens": cell.tokens(),
+                     "calls": cell.calls(), "D_prime": int(r["D_prime"]), "C": int(r["C"]),
+                     "R": float(edge_ratio(r["D_prime"], r["C"])), "method": r["method"], "d_hat_raw": raw,
+                     "lower_bound": bound, "reason": r["reason"], "outcome": outcome(e, d_true), "d_true": d_true})
+    return rows
 
 
 def cheapest_exact(table: pd.DataFrame, by: tuple[str, ...] = ("model", "method", "temperature")) -> pd.DataFrame:

@@ -92,37 +92,38 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
     if not 1 <= k < min(D, C):
         raise NVError(f"rank {k} of the strong part must be in [1, {min(D, C) - 1}]")
     X = b.X.astype(np.float32)
-    missing = ~b.M
+    # the missing entries as flat indices (~15 % of the block): their refill is gathered and scattered through them,
+    # the sweep before's kept as a vector; boolean-masked copies over the whole block took a third of every sweep
+    missing = np.flatnonzero(~b.M.ravel())
     start = np.random.default_rng(seed).standard_normal((D, k)).astype(np.float32)
     if warm is None:
-        col_mean = X.sum(axis=0) / np.maximum(b.M.sum(axis=0), 1)
+        col_mean = (X.sum(axis=0) / np.maximum(b.M.sum(axis=0), 1)).astype(np.float32)  # float32 / int64 is float64
         F = np.where(b.M, X, col_mean[None, :])
     else:
         F = np.where(b.M, X, warm[0])
         start[:, :warm[1].shape[1]] = warm[1]
     U = np.linalg.qr(F @ (F.T @ start))[0]
-    # the two rms as row-wise dot products with 0/1 weights, summed in float64: boolean gathers over the whole block
-    # (single-threaded, a copy each) took half of every sweep; three preallocated D x C buffers, none allocated per sweep
-    observed_w, missing_w = b.M.astype(np.float32), missing.astype(np.float32)
-    n_observed, n_missing = max(int(np.count_nonzero(b.M)), 1), int(np.count_nonzero(missing))
-    L, L_before, work = np.zeros_like(F), np.zeros_like(F), np.empty_like(F)
+    n_observed = max(b.M.size - missing.size, 1)
+    fill, before = F.ravel()[missing], None  # F's refill, and L_{t-1} at the missing entries
+    L, work = np.empty_like(F), np.empty_like(F)
     bar = tqdm(range(1, max_iters + 1), desc=f"incomplete EM, k = {k}", disable=not progress, leave=False)
     for sweep in bar:
-        L, L_before = L_before, L  # the sweep before's fit is L_{t-1}; L is always this sweep's (also after the last)
         A = U.T @ F
         np.matmul(U, A, out=L)
-        np.subtract(L, F, out=work)  # F = X where observed: the residual there, the imputed entries' move elsewhere
-        work *= work
-        change = float(np.sqrt(np.einsum("ij,ij->i", work, missing_w).sum(dtype=np.float64) / n_missing)) \
-            if n_missing else 0.0
-        residual = float(np.sqrt(np.einsum("ij,ij->i", work, observed_w).sum(dtype=np.float64) / n_observed))
+        now = L.ravel()[missing]
+        moved = now - fill
+        moved_sq = float(np.square(moved).sum(dtype=np.float64))
+        # L - F is the residual where observed, the imputed entries' move elsewhere; row sums in float32, then float64
+        np.subtract(L, F, out=work)
+        total_sq = float(np.einsum("ij,ij->i", work, work).sum(dtype=np.float64))
+        change = np.sqrt(moved_sq / missing.size) if missing.size else 0.0
+        residual = np.sqrt(max(total_sq - moved_sq, 0.0) / n_observed)
         bar.set_postfix(moved=f"{change / residual:.4f} of the residual")
         if change < tol * residual:
             break
-        np.subtract(L, L_before, out=work)  # the momentum's weight is 0 at the first sweep
-        work *= (sweep - 1) / (sweep + 2)
-        work += L
-        np.copyto(F, work, where=missing)
+        fill = now if before is None else now + (sweep - 1) / (sweep + 2) * (now - before)  # momentum 0 at sweep 1
+        before = now
+        F.ravel()[missing] = fill
         U = np.linalg.qr(F @ A.T)[0]
     bar.close()
     return L, U, sweep
