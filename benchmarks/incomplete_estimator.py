@@ -6,7 +6,8 @@ the §5 tokens, the missing-data estimate's time and the budget's peak memory. E
 saturated with a value more than max(3, 0.5 % of d) off, or gives a lower bound above d (issue 14's honesty bound).
 
 Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--D D ...] [--out DIR] (not in ``make bench``:
-a measurement; ~9 min a budget alone and ~4 GiB at N = 10^5 on the embedded model's 3,000 prompts). ``--samples``: any
+a measurement; ~9 min a budget alone and ~4 GiB at N = 10^5 on the embedded model's 3,000 prompts, measured while
+the EM still ran in float64: its ladder there took 26 s against 57 s since, README). ``--samples``: any
 sampling folder, e.g. ``nv attack --simulate embedded``'s OUT/samples, or the sampling stage's (the default).
 Measured: see "Where phase 1 becomes exact" in the README.
 """
