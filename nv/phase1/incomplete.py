@@ -105,13 +105,13 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
         start[:, :warm[1].shape[1]] = warm[1]
     U = np.linalg.qr(F @ (F.T @ start))[0]
     n_observed = max(b.M.size - missing.size, 1)
-    fill, before = F.ravel()[missing], None  # F's refill, and L_{t-1} at the missing entries
+    fill, before = np.take(F, missing), None  # F's refill, and L_{t-1} at the missing entries (C-order flat indices)
     L, work = np.empty_like(F), np.empty_like(F)
     bar = tqdm(range(1, max_iters + 1), desc=f"incomplete EM, k = {k}", disable=not progress, leave=False)
     for sweep in bar:
         A = U.T @ F
         np.matmul(U, A, out=L)
-        now = L.ravel()[missing]
+        now = np.take(L, missing)
         moved = now - fill
         moved_sq = float(np.square(moved).sum(dtype=np.float64))
         # L - F is the residual where observed, the imputed entries' move elsewhere; row sums in float32, then float64
@@ -124,7 +124,7 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
             break
         fill = now if before is None else now + (sweep - 1) / (sweep + 2) * (now - before)  # momentum 0 at sweep 1
         before = now
-        F.ravel()[missing] = fill
+        np.put(F, missing, fill)
         U = np.linalg.qr(F @ A.T)[0]
     bar.close()
     return L, U, sweep
