@@ -80,7 +80,7 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
     (``nv.phase1.sweep.budget_sweep``, the same spectrum and seed), whose rows are the cells of all S.D prompts at
     its budgets, the same thinning and estimators: read, not computed again (their tokens and calls checked)."""
     D_values, N_values = sorted(v for v in D_values if v <= S.D), sorted(v for v in N_values if v <= S.N)
-    known = {} if sweep is None or S.D not in D_values else dict(list(sweep.groupby("N", sort=False)))
+    known = {} if sweep is None or S.D not in D_values else dict(iter(sweep.groupby("N", sort=False)))
     rows = []
     bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {S.temperature:g}",
                unit="cell", disable=not progress)
@@ -93,16 +93,19 @@ def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spe
                 bar.update()
                 continue
             cs = common_set(cell)
-            for method, e in estimate_all(cell, cs.Y, spectrum, seed).items():
-                rows.append({"model": model, "temperature": S.temperature, "D": D, "N": N, "tokens": cell.tokens(),
-                             "calls": cell.calls(), "D_prime": cs.Y.shape[0], "C": cs.Y.shape[1],
-                             "R": float(edge_ratio(*cs.Y.shape)), "method": method,
-                             "d_hat_raw": e.d_hat_raw, "lower_bound": e.lower_bound, "reason": e.reason,
-                             "outcome": outcome(e, d_true), "d_true": d_true})
+            rows += [_row(model, cell, cs.Y.shape, e, d_true) for e in estimate_all(cell, cs.Y, spectrum, seed).values()]
             bar.update()
         thinned = cell = None  # freed before the next N's thinning (the cells are views of it)
     bar.close()
     return pd.DataFrame(rows, columns=GRID_COLUMNS)
+
+
+def _row(model: str, cell: SampledMatrix, shape: tuple[int, int], e: SpectrumEstimate, d_true: int) -> dict:
+    """One grid row: the cell's cost, its common set's shape and one estimator's answer on it."""
+    return {"model": model, "temperature": cell.temperature, "D": cell.D, "N": cell.N, "tokens": cell.tokens(),
+            "calls": cell.calls(), "D_prime": int(shape[0]), "C": int(shape[1]), "R": float(edge_ratio(*shape)),
+            "method": e.method, "d_hat_raw": e.d_hat_raw, "lower_bound": e.lower_bound, "reason": e.reason,
+            "outcome": outcome(e, d_true), "d_true": d_true}
 
 
 def _swept(at_N: pd.DataFrame, cell: SampledMatrix, d_true: int, model: str) -> list[dict]:
@@ -114,10 +117,7 @@ def _swept(at_N: pd.DataFrame, cell: SampledMatrix, d_true: int, model: str) -> 
     for r in at_N.to_dict("records"):
         raw, bound = (None if pd.isna(r[key]) else int(r[key]) for key in ("d_hat_raw", "lower_bound"))
         e = SpectrumEstimate(r["method"], raw is not None, raw, None, None, bound, r["reason"])
-        rows.append({"model": model, "temperature": cell.temperature, "D": cell.D, "N": cell.N, "tokens": cell.tokens(),
-                     "calls": cell.calls(), "D_prime": int(r["D_prime"]), "C": int(r["C"]),
-                     "R": float(edge_ratio(r["D_prime"], r["C"])), "method": r["method"], "d_hat_raw": raw,
-                     "lower_bound": bound, "reason": r["reason"], "outcome": outcome(e, d_true), "d_true": d_true})
+        rows.append(_row(model, cell, (r["D_prime"], r["C"]), e, d_true))
     return rows
 
 
