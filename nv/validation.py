@@ -95,15 +95,18 @@ def _setup(records: dict[str, list[dict]], g: dict, setup: str) -> dict[str, lis
 
 def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
     """Every real model x setup x platform x K' (the first K' trials per length): L_hat and P_ne_hat by both depth
-    estimators, the rule's choice, and the same calibration's references' median errors and conformal half-widths
-    (``nv.phase2.intervals.reference_errors``)."""
+    estimators, the rule's choice, and the same calibration's references' median errors (over every platform) and
+    conformal half-widths (on the target's platform; ``nv.phase2.intervals.reference_errors``)."""
     rows = []
     targets = [r for recs in records.values() for r in recs if r["role"] == "target"]
     for g in targets:
         for setup in ("F", "all"):
             recs = _setup(records, g, setup)
-            # the calibration's own references, each held out in turn: the attacker's error estimate
-            scores, q = reference_errors([held_out_all(recs, r, timing) for r in recs[g["platform"]] if r["role"] == "reference"])
+            # the calibration's own references, each held out in turn on its platform: the attacker's error estimate;
+            # the rule's scores pool every platform, the half-widths are g's platform's
+            refs = {p: [held_out_all(recs, r, timing) for r in rs if r["role"] == "reference"] for p, rs in recs.items()}
+            scores = reference_errors([row for rows in refs.values() for row in rows])[0]
+            q = reference_errors(refs[g["platform"]])[1]
             for K in trial_counts:
                 if K > g["trials"]:
                     continue

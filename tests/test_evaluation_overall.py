@@ -21,7 +21,7 @@ from nv.overall import combine, results_table, timing_budgets, to_markdown, with
 from nv.phase2 import live, prefill
 from nv.phase2.calibration import calibration, load_calibration
 from nv.phase2.evaluation import evaluate, held_out, param_estimates
-from nv.phase2.intervals import choose_rule, estimates
+from nv.phase2.intervals import choose_rule, estimates, held_out_all
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 from nv.validation import evaluate_timing
 
@@ -260,8 +260,13 @@ def test_the_live_attack_reads_a_target_as_the_validation_does():
     # a note, not a number
     fast = live.estimate(ell, 0.02 * T, sigma, 576, cal, 1.0, 49152)
     assert "P_hat" not in fast and "P_interval" not in fast and "no positive P_ne" in fast["note"], fast
+    # quantised latencies (a provider's timing defence): every T the same, Eq. 10's slope 0 / 0: no depth from it,
+    # its t-statistic null, the report still strict JSON
+    flat = live.estimate(ell, np.full(len(T), 0.5), sigma, 576, cal, 1.0, 49152)
+    assert flat["rule"] == "basic" and flat["t_eq10"] is None and flat["L_hat_eq10"] == 0.0
+    json.dumps(flat, allow_nan=False)
     falling = live.estimate(ell, 2 * cal["alpha"] - T, sigma, 576, cal, 1.0, 49152)
-    assert falling["note"].startswith("L_hat <= 0 by both estimators") and "L_interval" not in falling
+    assert falling["note"].startswith("no depth from either estimator") and "L_interval" not in falling
     assert "P_hat_paper" not in falling
 
 
@@ -314,6 +319,45 @@ def test_the_rule_takes_the_estimator_the_references_favour_unless_it_gives_the_
     est = estimates({"basic": falling.L_hat, "eq10": falling.L_hat_eq10}, {"basic": np.nan, "eq10": np.nan}, falling, falling.rule, 576, 49152)
     assert est["L_hat"] == falling.L_hat and est["L_lo_rule"] == pytest.approx(falling.L_hat * np.exp(-falling.q_L_basic))
     assert choose_rule({"basic": 0.3, "eq10": 0.1}, {}) == "eq10"  # no depth from either: the references' choice
+
+
+def test_the_rule_pools_the_references_of_every_platform_and_the_half_widths_are_the_targets_platforms():
+    """In process the references' overheads differ (the basic estimator's borrowed intercept is off), on the second
+    platform they are alike: the rule's scores are the medians over both platforms' references, each held out on its
+    own platform; the half-widths q are those of the target's platform alone."""
+    alphas = (0.005, 0.03, 0.01, 0.02, 0.015)
+    recs = {"inprocess": [record(n, "reference", L, d, "inprocess", alpha=a) for (n, L, d), a in zip(FAMILY, alphas)],
+            "llamacpp": [record(n, "reference", L, d, "llamacpp", 3.0) for n, L, d in FAMILY]}
+    for platform, k in (("inprocess", 1.0), ("llamacpp", 3.0)):
+        recs[platform].append(record("smollm2", "target", 30, 576, platform, k, facts=SMOL))
+    table = evaluate_timing(recs, TIMING, [4]).query("setup == 'F'").set_index("platform")
+    rows = {p: [held_out_all(recs, r, TIMING) for r in rs if r["role"] == "reference"] for p, rs in recs.items()}
+    for name, key in (("basic", "L_hat"), ("eq10", "L_hat_eq10")):
+        err = [abs(r[key] / r["L_true"] - 1) for p in rows for r in rows[p]]
+        assert table[f"median_ref_err_{name}"].tolist() == pytest.approx([np.median(err)] * 2, rel=1e-12)
+        for p in rows:
+            want = np.max([abs(np.log(r[key] / r["L_true"])) for r in rows[p]])
+            assert table.loc[p, f"q_L_{name}"] == pytest.approx(want, rel=1e-12)
+    assert table.loc["inprocess", "q_L_basic"] > 2 * table.loc["llamacpp", "q_L_basic"]  # the platforms differ
+
+
+def test_a_reference_fit_that_cannot_tell_its_depth_from_zero_does_not_widen_the_intervals():
+    """A reference whose timings are its overhead plus noise (no ell^2 growth: the README's ref-384x12, below the
+    others' intercept) gets a small positive basic L_hat under two standard errors above 0: no depth, with a note,
+    so the conformal half-width is that of the references with a fit, not |log(L_hat / 12)| > 2.5."""
+    timing = {**TIMING, "platforms": {"inprocess": TIMING["platforms"]["inprocess"]}}
+    flat = record("r-flat", "reference", 12, 384, "inprocess")
+    flat["T"] = (ALPHA + 1e-3 * np.random.default_rng(1).standard_normal(len(flat["T"]))).tolist()
+    recs = [record(n, "reference", L, d, "inprocess") for n, L, d in FAMILY[1:]] + [flat]
+    target = record("smollm2", "target", 30, 576, "inprocess", facts=SMOL)
+    raw = held_out(recs, recs, flat, timing, "d_used")
+    assert 0 < raw["L_hat"] < 1 and raw["t"] < 2  # the premise: a positive depth the fit cannot tell from zero
+    gated = held_out_all({"inprocess": recs}, flat, timing)
+    assert np.isnan(gated["L_hat"]) and "standard errors above 0" in gated["note_t_basic"]
+    others = [held_out_all({"inprocess": recs}, r, timing)["L_hat"] for r in recs[:-1]]
+    q = np.max(np.abs(np.log(np.array(others) / [L for _, L, _ in FAMILY[1:]])))
+    row = evaluate_timing({"inprocess": recs + [target]}, timing, [4]).iloc[0]
+    assert row.q_L_basic == pytest.approx(q, rel=1e-9) and q < 0.2
 
 
 def test_combine_propagates_d_hat_into_L_hat_and_P_hat_as_rerunning_the_fit_would():

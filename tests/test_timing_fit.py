@@ -11,6 +11,7 @@ from nv.phase2.fit import (
     crossover_length,
     cross_platform_depth,
     depth_basic,
+    depth_basic_t,
     fit_gamma,
     fit_scaling,
     infer_depth,
@@ -18,6 +19,7 @@ from nv.phase2.fit import (
     relative_error,
     scaling_relation,
     sweep_lengths,
+    t_statistic,
     total_params,
     trimmed_stats,
     weighted_line,
@@ -119,6 +121,25 @@ def test_same_platform_depth():
     gamma_g = fit_gamma(target.d, target.ell, target.T, target.sigma).slope
     assert infer_depth(gamma_g, beta) == pytest.approx(36, rel=1e-9)
     assert depth_basic(beta, ALPHA, 4096, target.ell, target.T, target.sigma) == pytest.approx(36, rel=1e-9)
+
+
+def test_basic_depth_t_statistic_is_curve_fits_with_the_residual_scaled_error():
+    """depth_basic_t = L_hat / se with se as scipy's curve_fit gives it for the one-parameter model
+    T - alpha = L (beta ell^2 d_hat), weights 1/sigma^2, absolute_sigma=False; timings with no depth in them (the
+    intercept alone, plus noise) give |t| well under 2."""
+    rng = np.random.default_rng(5)
+    target = _platform([(36, 4096)], 1.0, ALPHA, rng, rel_noise=0.05)
+    x = BETA * target.ell**2 * 4096
+    (L,), cov = optimize.curve_fit(lambda x, L: L * x, x, target.T - ALPHA, sigma=target.sigma, absolute_sigma=False)
+    t = depth_basic_t(BETA, ALPHA, 4096, target.ell, target.T, target.sigma)
+    assert L == pytest.approx(depth_basic(BETA, ALPHA, 4096, target.ell, target.T, target.sigma), rel=1e-9)
+    assert t == pytest.approx(L / np.sqrt(cov[0, 0]), rel=1e-6) and t > 20
+    flat = ALPHA + rng.normal(0.0, 1e-3, len(target.ell))
+    assert abs(depth_basic_t(BETA, ALPHA, 4096, target.ell, flat, np.full(len(flat), 1e-3))) < 2
+    # an exact fit (noise-free or quantised timings: se = 0) is infinitely significant, not a ZeroDivisionError
+    exact = _platform([(36, 4096)], 1.0, ALPHA)
+    assert depth_basic_t(BETA, ALPHA, 4096, exact.ell, exact.T, exact.sigma) > 1e6
+    assert t_statistic(3.0, 0.0) == np.inf and np.isnan(t_statistic(0.0, 0.0))
 
 
 @pytest.mark.parametrize("noise", [0.0, 1e-3])

@@ -25,7 +25,9 @@ from nv.phase2.fit import (
     attention_regime,
     cross_platform_depth,
     depth_basic,
+    depth_basic_t,
     relative_error,
+    t_statistic,
     total_params,
 )
 
@@ -63,7 +65,7 @@ def timings(records: list[dict], discard: int, d_key: str = "d_used") -> Timings
     )
 
 
-ESTIMATES = ["beta", "alpha", "gamma_ref", "gamma_tgt", "gamma_g", "k"] + [
+ESTIMATES = ["beta", "alpha", "gamma_ref", "gamma_tgt", "gamma_g", "k", "t", "t_eq10"] + [
     name + suffix for suffix in ("", "_eq10") for name in ["L_hat", "L_hat_rounded", "L_err", "L_err_rounded", "note"] + [
         f"{what}_{label}_{rounding}" for label in ("paper", "registry") for rounding in ("raw", "rounded") for what in ("P_hat", "P_err")]]
 
@@ -116,9 +118,11 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
     except NVError as exc:  # a fit that cannot give a depth is reported, not fatal
         return row | {"note": str(exc)}
     beta, alpha = est.reference.slope, est.reference.intercept
-    basic = depth_basic(est.k * beta, alpha, d_hat, target.ell, target.T, target.sigma)
+    fit = (est.k * beta, alpha, d_hat, target.ell, target.T, target.sigma)
+    basic = depth_basic(*fit)
     return (row | {"beta": beta, "alpha": alpha, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
-                   "gamma_g": est.gamma_g.slope, "k": est.k, "note": ""}
+                   "gamma_g": est.gamma_g.slope, "k": est.k, "t": depth_basic_t(*fit),
+                   "t_eq10": t_statistic(est.gamma_g.slope, est.gamma_g.slope_se), "note": ""}
             | depth_fields(g, d_hat, basic, timing, "") | depth_fields(g, d_hat, est.L_hat, timing, "_eq10"))
 
 

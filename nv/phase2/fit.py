@@ -163,6 +163,26 @@ def depth_basic(beta: float, alpha: float, d_hat: float, ell: np.ndarray, T: np.
     return float(np.sum(w * x * (np.asarray(T) - alpha)) / np.sum(w * x * x))
 
 
+def depth_basic_t(beta: float, alpha: float, d_hat: float, ell: np.ndarray, T: np.ndarray, sigma: np.ndarray) -> float:
+    """The basic estimate's t-statistic L_hat / se(L_hat), se scaled by the reduced chi^2 of its one-parameter fit as
+    ``weighted_line``'s are (sigma_T ignores misfit); NaN with one point. Eq. 10's is ``t_statistic`` of gamma_g's
+    slope and slope_se."""
+    L_hat = depth_basic(beta, alpha, d_hat, ell, T, sigma)
+    x = beta * _check_lengths(ell) ** 2 * d_hat
+    w = np.asarray(sigma, dtype=np.float64) ** -2
+    dof = len(x) - 1
+    if not dof:
+        return np.nan
+    s2 = np.sum(w * (np.asarray(T) - alpha - L_hat * x) ** 2) / dof
+    return t_statistic(L_hat, float(np.sqrt(s2 / np.sum(w * x * x))))
+
+
+def t_statistic(value: float, se: float) -> float:
+    """value / se; +-inf for an exact fit (se = 0: quantised or noise-free timings), NaN for 0 / 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(value) / se)
+
+
 @dataclass(frozen=True)
 class Timings:
     """Prefill timings on one platform, flat over (model, length) points; d and L broadcast against ell.

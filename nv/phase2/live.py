@@ -23,8 +23,9 @@ import numpy as np
 from nv.oracle.base import Oracle
 from nv.phase2 import prefill
 from nv.phase2.calibration import ERROR_KEYS
-from nv.phase2.fit import attention_regime, depth_basic, fit_gamma, infer_depth, sweep_lengths, total_params
-from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates
+from nv.phase2.fit import (attention_regime, depth_basic, depth_basic_t, fit_gamma, infer_depth, sweep_lengths, t_statistic,
+                          total_params)
+from nv.phase2.intervals import ESTIMATORS, MIN_T, choose_rule, estimates, significant
 from nv.phase2.protocol import collect_timings, summarize
 
 
@@ -61,7 +62,8 @@ def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: 
 
 
 def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal: dict, k: float, vocab_size: int | None) -> dict:
-    """L_hat (the rule's) with both estimators beside it, P_hat (attacker-side, and Eq. 3 with the default ratios as
+    """L_hat (the rule's) with both estimators beside it (raw, with their fits' t-statistics; one under ``MIN_T``
+    gives no depth: ``nv.phase2.intervals.significant``), P_hat (attacker-side, and Eq. 3 with the default ratios as
     ``P_hat_paper``) and their 90 % intervals ([lo, hi], null for unbounded: ``_interval`` the hull of both
     estimators', ``_interval_rule`` the rule's alone), from the endpoint's App. D summary (``ell``, ``T``,
     ``sigma``); a ``note`` where an estimate is missing. The intervals hold on the calibration's platform; with
@@ -69,8 +71,10 @@ def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal:
     scale by k, the fixed overhead a does not."""
     ell_a, T_a, sigma_a = attention_regime(ell, T, sigma, cal["discard"])
     gamma = fit_gamma(np.full(len(ell_a), float(d_hat)), ell_a, T_a, sigma_a)
-    L_hat = {"basic": depth_basic(k * cal["beta"], cal["alpha"], d_hat, ell_a, T_a, sigma_a),
-             "eq10": infer_depth(gamma.slope, cal["beta"], k)}
+    basic = (k * cal["beta"], cal["alpha"], d_hat, ell_a, T_a, sigma_a)
+    raw = {"basic": depth_basic(*basic), "eq10": infer_depth(gamma.slope, cal["beta"], k)}
+    t = {"basic": depth_basic_t(*basic), "eq10": t_statistic(gamma.slope, gamma.slope_se)}
+    L_hat = {name: significant(raw[name], t[name]) for name in ESTIMATORS}
     rule = choose_rule({name: _inf(cal[f"score_{name}"]) for name in ESTIMATORS}, {ESTIMATORS[n]: v for n, v in L_hat.items()})
     fit = cal["prefill"]
     curve = None if fit is None else prefill.PrefillCalibration(k * fit["b"], k * fit["c"], fit["a"])
@@ -79,10 +83,11 @@ def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal:
     q = {key: _inf(cal[key]) for key in ERROR_KEYS if not key.startswith("score")}
     est = {key: float(v) for key, v in estimates(L_hat, P_ne_hat, q, rule, d_hat, vocab_size or np.nan).items()}
     out = {"calibration_platform": cal["platform"], "beta": cal["beta"], "alpha": cal["alpha"], "k": k, "gamma_g": gamma.slope,
-           "d_hat": d_hat, "rule": rule, "L_hat": est["L_hat"], "L_hat_basic": L_hat["basic"], "L_hat_eq10": L_hat["eq10"]}
+           "d_hat": d_hat, "rule": rule, "L_hat": est["L_hat"], "L_hat_basic": raw["basic"], "L_hat_eq10": raw["eq10"],
+           **{f"t_{name}": value if np.isfinite(value) else None for name, value in t.items()}}  # null: an exact fit (or 0/0)
     if not est["L_hat"] > 0:
-        return out | {"note": "L_hat <= 0 by both estimators: the endpoint's latency does not grow with ell^2 d_hat "
-                              "(noise or a prefix cache)"}
+        return out | {"note": f"no depth from either estimator (L_hat <= 0 or under {MIN_T:g} standard errors above 0): "
+                              "the endpoint's latency does not grow with ell^2 d_hat (noise or a prefix cache)"}
     out |= {"L_hat_rounded": max(1, round(est["L_hat"])), "L_interval": _interval(est, "L"),
             "L_interval_rule": _interval(est, "L", "_rule")}
     if not vocab_size:

@@ -145,17 +145,17 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
 def budget_sweep(table, d_true: int | None):
     """Relative error of d_hat (raw) versus token budget for every estimator of the table; failures marked."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    # (colour, failure marker, its size, label offset, estimate marker, its size, its fill): the estimates' markers
+    # (colour, failure marker, its size, label offset, estimate marker, its size, hollow): the estimates' markers
     # nest (a large hollow circle, a middle square, a small diamond), so estimators that agree stay visible.
-    styles = {"robust": ("C1", "x", 10, -14, "o", 11, "none"), "paper": ("C0", "+", 14, 6, "s", 7, "C0"),
-              "incomplete": ("C2", "1", 14, -26, "D", 4, "C2")}
-    for method, (color, marker, ms, dy, ok_marker, ok_ms, fill) in styles.items():
+    styles = {"robust": ("C1", "x", 10, -14, "o", 11, True), "paper": ("C0", "+", 14, 6, "s", 7, False),
+              "incomplete": ("C2", "1", 14, -26, "D", 4, False)}
+    for method, (color, marker, ms, dy, ok_marker, ok_ms, hollow) in styles.items():
         rows = table[table.method == method]
         if rows.empty:
             continue
         ok = rows[rows.d_hat_raw.notna()]
         ax.plot(ok.tokens, ok.rel_error * 100, "-", color=color, marker=ok_marker, ms=ok_ms,
-                mfc=fill, label=f"{method}: d_hat")
+                mfc="none" if hollow else color, label=f"{method}: d_hat")
         fail = rows[rows.d_hat_raw.isna()]
         for _, r in fail.iterrows():
             ax.plot(r.tokens, 100, marker, color=color, ms=ms)
