@@ -105,7 +105,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
             # the calibration's own references, each held out in turn on its platform: the attacker's error estimate;
             # the rule's scores pool every platform, the half-widths are g's platform's
             refs = {p: [held_out_all(recs, r, timing) for r in rs if r["role"] == "reference"] for p, rs in recs.items()}
-            scores = reference_errors([row for rows in refs.values() for row in rows])[0]
+            scores = reference_errors([row for held in refs.values() for row in held])[0]
             q = reference_errors(refs[g["platform"]])[1]
             for K in trial_counts:
                 if K > g["trials"]:
@@ -115,7 +115,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                 rule = choose_rule(scores, row)
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
-                                                                 "note", "note_eq10", "note_prefill")},
+                                                                 "note", "note_eq10", "note_t_basic", "note_t_eq10", "note_prefill")},
                              "setup": setup, "trials": K, "timing_tokens": gk["tokens"], "timing_calls": _calls(gk, timing["warmups"]),
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
