@@ -49,7 +49,8 @@ def significant(L_hat: float, t: float) -> float:
     ``depth_basic_t``, Eq. 10's gamma_g / se), else NaN: no depth, as for L_hat <= 0. A fit that cannot tell the
     depth from zero is a failed one; counted as an estimate it made the conformal half-width of its estimator, and
     the hull, span two orders of magnitude (in process ref-1024x16's Eq. 10 read 0.8 for 16 at t = 0.2, and
-    ref-384x12's basic 0.1 for 12 at t = 0.1, where every other fit of either estimator had t >= 5)."""
+    ref-384x12's basic 0.1 for 12 at t = 0.1, where every other fit of either estimator had t >= 5: any threshold
+    from 1 to 5 separates them alike; 2 is the conventional one)."""
     return L_hat if t >= MIN_T else np.nan
 
 
