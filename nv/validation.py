@@ -23,7 +23,7 @@ from nv.errors import NVError
 from nv.outputs import read_json
 from nv.overall import with_trials
 from nv.phase2.fit import total_params
-from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, held_out_all, reference_errors
+from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_scores
 
 
 def _duration(notebook: Path) -> float:
@@ -96,7 +96,7 @@ def _setup(records: dict[str, list[dict]], g: dict, setup: str) -> dict[str, lis
 def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
     """Every real model x setup x platform x K' (the first K' trials per length): L_hat and P_ne_hat by both depth
     estimators, the rule's choice, and the same calibration's references' median errors (over every platform) and
-    conformal half-widths (on the target's platform; ``nv.phase2.intervals.reference_errors``)."""
+    conformal half-widths (on the target's platform; ``nv.phase2.intervals.rule_scores``, ``half_widths``)."""
     rows = []
     targets = [r for recs in records.values() for r in recs if r["role"] == "target"]
     for g in targets:
@@ -105,8 +105,8 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
             # the calibration's own references, each held out in turn on its platform: the attacker's error estimate;
             # the rule's scores pool every platform, the half-widths are g's platform's
             refs = {p: [held_out_all(recs, r, timing) for r in rs if r["role"] == "reference"] for p, rs in recs.items()}
-            scores = reference_errors([row for held in refs.values() for row in held])[0]
-            q = reference_errors(refs[g["platform"]])[1]
+            scores = rule_scores([row for held in refs.values() for row in held])
+            q = half_widths(refs[g["platform"]])
             for K in trial_counts:
                 if K > g["trials"]:
                     continue

@@ -15,7 +15,7 @@ from nv.params import check_timing_protocol
 from nv.phase2 import prefill
 from nv.phase2.evaluation import timings
 from nv.phase2.fit import fit_gamma, fit_scaling
-from nv.phase2.intervals import ESTIMATORS, held_out_all, reference_errors
+from nv.phase2.intervals import ESTIMATORS, half_widths, held_out_all, rule_scores
 
 PROTOCOL_KEYS = ("r", "trials", "warmups", "trim", "n_lengths", "discard", "kv_ratio", "ffn_ratio")
 ERROR_KEYS = tuple(f"{w}_{name}" for w in ("score", "q_L", "q_P") for name in ESTIMATORS)
@@ -33,7 +33,8 @@ def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
     references = [r for r in records[platform] if r["role"] == "reference"]
     refs = timings(references, timing["discard"], "d")
     beta, gamma = fit_scaling(refs.L, refs.d, refs.ell, refs.T, refs.sigma), fit_gamma(refs.d, refs.ell, refs.T, refs.sigma)
-    scores, q = reference_errors([held_out_all({platform: references}, r, timing) for r in references])
+    held = [held_out_all({platform: references}, r, timing) for r in references]
+    scores, q = rule_scores(held), half_widths(held)
     try:
         fit = prefill.calibrate(references)
         curve = {"b": fit.b, "c": fit.c, "a": fit.a}

@@ -93,22 +93,30 @@ def held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
     return row
 
 
-def reference_errors(rows: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
-    """From the references' ``held_out_all`` rows (each held out in turn: the attacker's error estimate), per
-    estimator: the rule's score (median |L_hat / L - 1|; inf without a fit) and the conformal half-widths
-    ``q_L_<name>``, ``q_P_<name>`` of L and P_ne."""
+def _columns(rows: list[dict], *names: str) -> list[np.ndarray]:
+    """Columns of the references' ``held_out_all`` rows as float arrays (NaN where a row lacks the key)."""
     table = pd.DataFrame(rows)
+    return [table.get(name, pd.Series(np.nan, index=table.index)).to_numpy(float) for name in names]
 
-    def column(name: str) -> np.ndarray:
-        return table.get(name, pd.Series(np.nan, index=table.index)).to_numpy(float)
 
-    scores, q = {}, {}
+def rule_scores(rows: list[dict]) -> dict[str, float]:
+    """From the references' ``held_out_all`` rows (each held out in turn: the attacker's error estimate), per
+    estimator the rule's score: median |L_hat / L - 1| over those it gives a depth; inf without any."""
+    scores = {}
     for name, key in ESTIMATORS.items():
-        err = np.abs(column(key) / column("L_true") - 1)
+        L_hat, L = _columns(rows, key, "L_true")
+        err = np.abs(L_hat / L - 1)
         scores[name] = float(np.nanmedian(err)) if np.isfinite(err).any() else np.inf
-        q[f"q_L_{name}"] = conformal(column(key), column("L_true"))
-        q[f"q_P_{name}"] = conformal(column(f"P_ne_hat_{name}"), column("P_ne_true"))
-    return scores, q
+    return scores
+
+
+def half_widths(rows: list[dict]) -> dict[str, float]:
+    """From the same rows, per estimator the conformal half-widths ``q_L_<name>``, ``q_P_<name>`` of L and P_ne."""
+    q = {}
+    for name, key in ESTIMATORS.items():
+        L_hat, L, P_ne_hat, P_ne = _columns(rows, key, "L_true", f"P_ne_hat_{name}", "P_ne_true")
+        q[f"q_L_{name}"], q[f"q_P_{name}"] = conformal(L_hat, L), conformal(P_ne_hat, P_ne)
+    return q
 
 
 def choose_rule(scores: dict[str, float], row: dict) -> str:
@@ -122,7 +130,7 @@ def choose_rule(scores: dict[str, float], row: dict) -> str:
 def estimates(L_hat: dict, P_ne_hat: dict, q: dict, rule, d_hat, V) -> dict[str, np.ndarray]:
     """The headline L_hat and P_hat (the rule's estimator's) with their 90 % intervals: ``L_lo``/``L_hi`` and
     ``P_lo``/``P_hi`` the hull of both estimators', ``..._rule`` the rule's alone. ``L_hat``, ``P_ne_hat``: per
-    estimator name, arrays over cases (or scalars); ``q``: ``reference_errors``'s half-widths; ``rule``: the
+    estimator name, arrays over cases (or scalars); ``q``: ``half_widths``'s output; ``rule``: the
     estimator name per case. P_hat is the midpoint of the tied and untied totals (``prefill.param_range``)."""
     rule = np.asarray(rule)
 
