@@ -164,3 +164,53 @@ def test_release_memory_hands_freed_heap_blocks_back():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, timeout=120).stdout
     by_gc, by_release = map(float, out.split())
     assert by_gc < 50 and by_release > 300  # MiB: 400 MiB of holes, held until trimmed
+
+
+def test_float32_linear_is_a_bf16_gemm():
+    """``_float32_linear`` (hosts without a bf16 GEMM): the float32 product of bf16 values, rounded to bf16, is the
+    correctly rounded product of those values, as torch's own bf16 GEMM returns up to the order of the sums; float32
+    inputs pass through ``F.linear`` unchanged."""
+    import torch
+    import torch.nn.functional as F
+
+    from nv.models.loading import _float32_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(2048, 512).to(torch.bfloat16)
+    x = torch.randn(64, 2048).to(torch.bfloat16)
+    with torch.no_grad():
+        exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        ours, theirs = _float32_linear(layer, x), layer(x)
+        assert ours.dtype == torch.bfloat16
+        ulp = exact.abs() * 2.0**-7 + 1e-6  # one bf16 spacing, or more
+        for y in (ours, theirs):
+            assert (y.double() == exact.to(torch.bfloat16).double()).float().mean() > 0.999
+            assert ((y.double() - exact).abs() <= 2 * ulp).all()  # at most one rounding step off
+        layer32, x32 = layer.float(), x.float()
+        assert torch.equal(_float32_linear(layer32, x32), layer32(x32))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_models_take_float32_gemms_only_where_torch_has_no_bf16_gemm(lm32, monkeypatch, native):
+    """Both kinds of CPU, one of which this machine is not: ``bf16_gemm_native`` is mocked to each answer. Without a
+    bf16 GEMM every linear layer of a built model is switched and its logits are still bf16 and near the native ones;
+    with one, nothing changes."""
+    import torch
+
+    from nv.models import loading
+    from nv.models.reference_family import random_llama, shape_from_entry
+
+    monkeypatch.setattr(loading, "bf16_gemm_native", lambda: native)
+    shape = shape_from_entry({"d": 64, "L": 2, "n_kv_heads": 1, "d_ffn": 128}, lm32.arch.vocab_size, 512)
+    lm = random_llama(shape, lm32.tokenizer, "bfloat16", 0, "tiny")
+    layers = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    switched = [m for m in layers if "forward" in vars(m)]
+    assert len(switched) == (0 if native else len(layers)) and len(layers) == 2 * 7 + 1
+    ids = torch.randint(0, shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        z = lm.model(ids).logits
+        for m in switched:
+            del m.forward
+        z_native = lm.model(ids).logits
+    assert z.dtype == torch.bfloat16
+    assert torch.allclose(z.float(), z_native.float(), atol=0.05) and (native == torch.equal(z, z_native))

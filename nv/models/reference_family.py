@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from nv.errors import NVError
-from nv.models.loading import LoadedModel, architecture
+from nv.models.loading import LoadedModel, architecture, float32_gemms
 
 HEAD_DIM = 64
 
@@ -71,6 +71,7 @@ def random_llama(shape: Shape, tokenizer, dtype: str, seed: int, name: str, devi
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval().to(device)
+    float32_gemms(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, arch=architecture(model))
 
 
