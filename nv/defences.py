@@ -8,9 +8,9 @@ Each knob is applied post hoc to what the undefended run observed, where that is
 - ``noise_sigma``: fresh N(0, sigma^2) per call. Averaged over the c calls that drew a token (the counter-measure,
   what ``DefendedOracle`` serves) it is y + N(0, sigma^2 / c); without it the attacker keeps one call's value,
   y + N(0, sigma^2).
-- truncation (``top_k``, ``top_p``, ``min_p``): a draw outside the served set S_q is never made. Of N_max untruncated
-  calls, those that fell in S_q, thinned to N (hypergeometric), are distributed exactly as N truncated calls;
-  a prompt with fewer than N draws in S_q keeps all of them (``short_rows`` counts those).
+- truncation (``top_k``, ``top_p``, ``min_p``): a draw outside the served set S_q is never made. Of N untruncated
+  calls, those that fell in S_q are distributed as truncated calls: the attack pays for N calls and keeps the draws
+  inside S_q, fewer than N truncated calls would give (``short_rows`` counts the prompts with fewer than N).
 - timing knobs act on each trial of the target's App. D record (``defend_record``): delays and quantisation as
   ``DefendedOracle.time_request`` applies them; padding moves each trial along the target's own measured latency
   curve to the padded length (interpolated, linear beyond the longest length). The counter-measure against delays
@@ -25,8 +25,9 @@ Each knob is applied post hoc to what the undefended run observed, where that is
   deterministic per value: the cell is left empty.
 
 - tokens to exactness (``adaptive_phase1``): where the adaptive loop (``sampling.N: auto``) would stop behind each
-  log-prob setting, replayed on the defended draws down from their N (``nv.phase1.exactness.adaptive_replays``;
-  ``defended_common`` defends only the common set's entries, without copying the draws).
+  log-prob setting, replayed on the defended draws down from their N (``nv.phase1.exactness.adaptive_replays``).
+  Both it and the sweep at N see the draws through ``defended_common``: only the common set's entries are defended,
+  and the draws are not copied.
 
 Outcomes: phase 1 as ``nv.phase1.exactness.outcome`` ("exact": d within the detector's interval around d_hat_raw,
 "not saturated" with a lower bound at most d, "wrong" otherwise; the paper estimator's "no estimate"); phase 2
@@ -95,37 +96,12 @@ def kept(S: SampledMatrix, served: np.ndarray | None, min_logprob: float | None)
     return keep
 
 
-def _entries(S: SampledMatrix, keep: np.ndarray, counts: np.ndarray, N: int) -> SampledMatrix:
-    """S restricted to its entries ``keep`` (CSR order), with those entries' draw counts ``counts``."""
-    c, y = S.counts.tocsr(), S.logprobs.tocsr()
-    indptr = np.concatenate([[0], np.cumsum(keep)])[c.indptr]
-    return SampledMatrix(sp.csr_matrix((y.data[keep], c.indices[keep], indptr), shape=c.shape),
-                         sp.csr_matrix((counts, c.indices[keep], indptr), shape=c.shape), S.prompt_tokens, N,
-                         S.temperature)
-
-
-def truncated(S: SampledMatrix, served: np.ndarray, N: int, seed: int) -> tuple[SampledMatrix, int]:
-    """N truncated calls per prompt from S's untruncated draws: the draws inside each prompt's served set, thinned
-    to N (multivariate hypergeometric). Returns the matrix and the number of prompts with fewer than N such draws."""
-    rng = np.random.default_rng(seed)
+def short_rows(S: SampledMatrix, served: np.ndarray) -> int:
+    """Prompts of S with fewer than S.N of their draws inside their served set ``served``."""
     counts = S.counts.tocsr()
-    drawn = np.where(kept(S, served, None), counts.data, 0)
-    short = 0
-    for q in range(S.D):
-        part = slice(counts.indptr[q], counts.indptr[q + 1])
-        if drawn[part].sum() > N:
-            drawn[part] = rng.multivariate_hypergeometric(drawn[part], N)
-        else:
-            short += int(drawn[part].sum() < N)
-    return _entries(S, drawn > 0, drawn[drawn > 0], N), short
-
-
-def withheld(S: SampledMatrix, min_logprob: float | None) -> SampledMatrix:
-    """S without the entries whose value is below ``min_logprob`` (the API returns no log-prob for them)."""
-    if min_logprob is None:
-        return S
-    keep = kept(S, None, min_logprob)
-    return _entries(S, keep, S.counts.tocsr().data[keep], S.N)
+    inside = sp.csr_matrix((np.where(kept(S, served, None), counts.data, 0), counts.indices, counts.indptr),
+                           shape=counts.shape)
+    return int(np.count_nonzero(np.asarray(inside.sum(axis=1)).ravel() < S.N))
 
 
 def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bool, rng: np.random.Generator,
@@ -140,52 +116,13 @@ def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bo
     return quantise(values, defence)
 
 
-def reported(S: SampledMatrix, defence: Defence, averaged: bool, rng: np.random.Generator, calls_scale: float = 1.0) -> SampledMatrix:
-    """Y_hat as the defended API reports it: ``withheld`` entries, then ``reported_values``."""
-    S = withheld(S, defence.min_logprob)
-    y = S.logprobs.tocsr()
-    values = reported_values(y.data, S.counts.tocsr().data, defence, averaged, rng, calls_scale)
-    return SampledMatrix(sp.csr_matrix((values.astype(np.float32), y.indices, y.indptr), shape=y.shape), S.counts,
-                         S.prompt_tokens, S.N, S.temperature)
-
-
-def phase1_cell(S: SampledMatrix, spectrum: dict, d_true: int) -> dict:
-    """Both estimators on the common set of one (defended) Y_hat."""
-    cs = common_set(S)
-    row = {"D_prime": cs.Y.shape[0], "C": cs.Y.shape[1], "tokens": S.tokens(), "calls": S.calls()}
-    for method, e in estimate_both(cs.Y, spectrum).items():
-        row |= {f"{method}_outcome": outcome(e, d_true), f"{method}_d_hat_raw": e.d_hat_raw,
-                f"{method}_lower_bound": e.lower_bound}
-    return row
-
-
-def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: dict, d_true: int, seed: int,
-                 log_probs_T1: np.ndarray | None) -> pd.DataFrame:
-    """Every log-prob knob setting on the undefended draws S at their N, with and without its counter-measure where it
-    has one, and at 10x the budget where emulable. ``log_probs_T1``: the prompts' T = 1 log-probs (truncation sets)."""
-    rows = []
-    for knob, value in knobs:
-        if knob not in LOGPROB_KNOBS and knob != "none":
-            continue
-        defence = Defence(**({knob: value} if knob != "none" else {}))
-        base, short = (truncated(S, served_sets(log_probs_T1, S.temperature, defence), S.N, seed)
-                       if defence.truncates else (S, 0))
-        variants = {"attack": (True, 1.0)}
-        if knob == "noise_sigma":
-            variants = {"no_counter": (False, 1.0), "attack": (True, 1.0), "attack_10x": (True, float(TENFOLD))}
-        for variant, (averaged, scale) in variants.items():
-            rng = np.random.default_rng([seed, len(rows)])
-            rows.append({"knob": knob, "setting": label(value), "variant": variant, "short_rows": short,
-                         **phase1_cell(reported(base, defence, averaged, rng, scale), spectrum, d_true)})
-    return pd.DataFrame(rows)
-
-
-def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int]):
-    """Draws S -> the common-set matrix Y the attacker estimates from through ``defence``, with its counter-measure
-    (averaging): the pattern of S's draws inside the served sets ``served`` (truncation at S.N keeps them all, as
-    ``truncated``) and not ``withheld``, pruned (Alg. 1); noise and rounding (``reported_values``) on Y's entries only,
-    seeded by (``seed``, S.N). The same matrix as ``common_set(reported(truncated(S)))`` (in distribution with noise),
-    without copying S."""
+def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int], averaged: bool = True,
+                    calls_scale: float = 1.0):
+    """Draws S -> the common-set matrix Y the attacker estimates from through ``defence``: the pattern of S's draws
+    inside the served sets ``served`` (None: every token; a truncated call is never made outside them) and not
+    withheld (``min_logprob``), pruned (Alg. 1); noise and rounding (``reported_values``, ``averaged`` and
+    ``calls_scale`` its counter-measure) on Y's entries only, seeded by (``seed``, S.N). Every other entry of Y_hat is
+    never read, so S is not copied."""
     def common(S: SampledMatrix) -> np.ndarray:
         counts = S.counts.tocsr()
         observed = counts
@@ -193,9 +130,35 @@ def defended_common(defence: Defence, served: np.ndarray | None, seed: list[int]
             observed = sp.csr_matrix((kept(S, served, defence.min_logprob), counts.indices, counts.indptr), shape=counts.shape)
         cs = common_set(S, greedy_prune(observed))
         block = counts[:, cs.pruned.cols][cs.pruned.rows].toarray()  # columns first, as common_set
-        values = reported_values(cs.Y, block, defence, True, np.random.default_rng([*seed, S.N]))
-        return values.astype(np.float32).astype(np.float64)  # stored as Y_hat stores them (float32), as ``reported``
+        values = reported_values(cs.Y, block, defence, averaged, np.random.default_rng([*seed, S.N]), calls_scale)
+        return values.astype(np.float32).astype(np.float64)  # stored as Y_hat stores them (float32)
     return common
+
+
+def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: dict, d_true: int, seed: int,
+                 log_probs_T1: np.ndarray | None) -> pd.DataFrame:
+    """Every log-prob knob setting on the undefended draws S at their N (``defended_common``), with and without its
+    counter-measure where it has one, and at 10x the budget where emulable; both estimators on each. ``log_probs_T1``:
+    the prompts' T = 1 log-probs (truncation sets)."""
+    rows = []
+    for knob, value in knobs:
+        if knob not in LOGPROB_KNOBS and knob != "none":
+            continue
+        defence = Defence(**({knob: value} if knob != "none" else {}))
+        served = served_sets(log_probs_T1, S.temperature, defence) if defence.truncates else None
+        short = short_rows(S, served) if served is not None else 0
+        variants = {"attack": (True, 1.0)}
+        if knob == "noise_sigma":
+            variants = {"no_counter": (False, 1.0), "attack": (True, 1.0), "attack_10x": (True, float(TENFOLD))}
+        for variant, (averaged, scale) in variants.items():
+            Y = defended_common(defence, served, [seed, len(rows)], averaged, scale)(S)
+            row = {"knob": knob, "setting": label(value), "variant": variant, "short_rows": short, "D_prime": Y.shape[0],
+                   "C": Y.shape[1], "tokens": S.tokens(), "calls": S.calls()}
+            for method, e in estimate_both(Y, spectrum).items():
+                row |= {f"{method}_outcome": outcome(e, d_true), f"{method}_d_hat_raw": e.d_hat_raw,
+                        f"{method}_lower_bound": e.lower_bound}
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], sampling: dict,

@@ -15,16 +15,15 @@ from nv.defences import (
     defended_common,
     dither_tokens,
     fastest,
-    reported,
     results,
     settings,
+    short_rows,
     sweep_phase1,
     sweep_phase2,
-    truncated,
     weakest,
 )
 from nv.errors import NVError
-from nv.oracle.defence import Defence, quantise_latency
+from nv.oracle.defence import Defence, quantise, quantise_latency
 from nv.oracle.multinomial import multinomial_counts
 from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import SampledMatrix, collect, load_samples
@@ -44,48 +43,42 @@ def matrix(p: np.ndarray, rows: int, N: int, seed: int = 0) -> SampledMatrix:
     return SampledMatrix(y, c, np.full(rows, 5), N, 1.0)
 
 
-def test_truncation_from_untruncated_draws_is_the_truncated_distribution():
+def test_truncation_keeps_the_draws_inside_the_served_sets_and_counts_the_short_prompts():
+    """A truncated call is never made outside the served set: the common set holds served tokens only, each with its
+    untruncated value; every prompt that drew outside it has fewer than N truncated draws."""
     p = np.random.default_rng(1).dirichlet(np.ones(20))
+    S = matrix(p, 400, 2_000)
     served = np.zeros((400, 20), dtype=bool)
     served[:, np.argsort(-p)[:8]] = True
-    S, short = truncated(matrix(p, 400, 2_000), served, 500, seed=3)
-    c = S.counts.toarray()
-    assert short == 0 and (c.sum(axis=1) == 500).all() and not c[:, ~served[0]].any()
-    q = np.where(served[0], p, 0) / p[served[0]].sum()
-    se = np.sqrt(500 * q * (1 - q) / 400)
-    assert np.all(np.abs(c.mean(axis=0) - 500 * q) <= 5 * se + 1e-12)  # E[count] = N q_S
-    assert np.allclose(S.logprobs.data, np.log(p)[S.logprobs.indices])  # the untruncated value is reported
-
-
-def test_truncation_short_of_draws_keeps_them_all_and_says_so():
-    p = np.array([0.97, 0.01, 0.01, 0.01])
-    served = np.tile([False, True, True, True], (5, 1))
-    S, short = truncated(matrix(p, 5, 100), served, 50, seed=0)
-    assert short == 5 and (S.counts.toarray()[:, 0] == 0).all()
+    Y = defended_common(Defence(top_k=8), served, [0, 1])(S)
+    assert Y.shape == (400, 8)
+    assert np.allclose(np.sort(Y[0]), np.sort(np.log(p)[served[0]]).astype(np.float32))
+    assert short_rows(S, served) == 400 and short_rows(S, np.ones_like(served)) == 0
 
 
 def test_noise_averaged_over_calls_and_without():
     p = np.full(50, 1 / 50)
     S = matrix(p, 200, 5_000)
-    rng = np.random.default_rng(0)
     sigma = 0.2
-    averaged = reported(S, Defence(noise_sigma=sigma), True, rng)
-    single = reported(S, Defence(noise_sigma=sigma), False, rng)
-    tenfold = reported(S, Defence(noise_sigma=sigma), True, rng, calls_scale=10.0)
-    truth = S.logprobs.data.astype(np.float64)
-    z = (averaged.logprobs.data - truth) * np.sqrt(S.counts.data)
+    averaged = defended_common(Defence(noise_sigma=sigma), None, [0, 1])(S)
+    single = defended_common(Defence(noise_sigma=sigma), None, [0, 2], averaged=False)(S)
+    tenfold = defended_common(Defence(noise_sigma=sigma), None, [0, 3], calls_scale=10.0)(S)
+    cs = common_set(S)
+    assert averaged.shape == cs.Y.shape == (200, 50)
+    counts = S.counts[cs.pruned.rows][:, cs.pruned.cols].toarray()
+    z = (averaged - cs.Y) * np.sqrt(counts)
     assert abs(z.std() / sigma - 1) < 0.03
-    assert abs((single.logprobs.data - truth).std() / sigma - 1) < 0.03
-    assert abs((tenfold.logprobs.data - truth).std() * np.sqrt(10 * S.counts.data.mean()) / sigma - 1) < 0.05
+    assert abs((single - cs.Y).std() / sigma - 1) < 0.03
+    assert abs(((tenfold - cs.Y) * np.sqrt(10 * counts)).std() / sigma - 1) < 0.05
 
 
 def test_rounding_and_threshold_act_on_each_value():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     S = matrix(p, 3, 1_000)
-    r = reported(S, Defence(round_decimals=1), True, np.random.default_rng(0))
-    assert np.allclose(r.logprobs.data, np.round(np.log(p)[S.logprobs.indices], 1), atol=1e-6)
-    t = reported(S, Defence(min_logprob=-1.5), True, np.random.default_rng(0))
-    assert set(t.counts.indices) == {0, 1} and t.counts.nnz == 6  # log 0.15 = -1.9 and log 0.05 = -3.0 dropped
+    r = defended_common(Defence(round_decimals=1), None, [0, 1])(S)
+    assert r.shape == (3, 4) and np.allclose(r, np.round(np.log(p), 1), atol=1e-6)
+    t = defended_common(Defence(min_logprob=-1.5), None, [0, 1])(S)
+    assert np.allclose(np.sort(t, axis=1), np.log(p[[1, 0]]))  # log 0.15 = -1.9 and log 0.05 = -3.0 withheld
 
 
 RECORD = {"rows": [{"target": 1, "ell": [30] * 6, "seconds": [0.05, 0.051, 0.052, 0.05, 0.049, 0.05]}] + [
@@ -220,10 +213,26 @@ def test_phase2_sweep_on_records_of_a_known_law():
     assert by[("none", "", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for
 
 
+def defended_by_hand(S: SampledMatrix, defence: Defence, served: np.ndarray | None) -> SampledMatrix:
+    """What a defended API serves from S's draws, built entry by entry: draws outside ``served`` never made, values
+    below ``min_logprob`` withheld, the others rounded."""
+    c, y = S.counts.toarray(), S.logprobs.toarray()
+    keep = c > 0
+    if served is not None:
+        keep &= served
+    if defence.min_logprob is not None:
+        keep &= y >= defence.min_logprob
+    counts = sp.csr_matrix(np.where(keep, c, 0))
+    rows = np.repeat(np.arange(S.D), np.diff(counts.indptr))
+    values = quantise(y[rows, counts.indices].astype(np.float64), defence).astype(np.float32)
+    return SampledMatrix(sp.csr_matrix((values, counts.indices, counts.indptr), shape=c.shape), counts,
+                         S.prompt_tokens, S.N, S.temperature)
+
+
 def test_defended_common_set_is_the_common_set_of_the_defended_draws():
-    """The adaptive replay's view applies rounding and noise to the common set's entries only: with a deterministic
-    defence it is exactly the common set of what ``reported`` serves; the threshold and truncation act before the
-    pruning; noise keeps the variance sigma^2 / c of a token drawn c times."""
+    """The view the sweep and the adaptive replay estimate from applies rounding and noise to the common set's
+    entries only: with a deterministic defence it is exactly the common set of what the defended API serves (the
+    threshold and truncation act before the pruning); noise keeps the variance sigma^2 / c of a token drawn c times."""
     rng = np.random.default_rng(4)
     p = rng.dirichlet(np.full(40, 0.5))
     S = matrix(p, 60, 3_000)
@@ -231,8 +240,7 @@ def test_defended_common_set_is_the_common_set_of_the_defended_draws():
     served[:, np.argsort(-p)[:25]] = True
     for defence, cut in ((Defence(round_decimals=1), None), (Defence(min_logprob=-4.0, round_format="bf16"), None),
                          (Defence(top_k=25), served)):
-        base = truncated(S, cut, S.N, 0)[0] if cut is not None else S
-        want = common_set(reported(base, defence, True, np.random.default_rng(0))).Y
+        want = common_set(defended_by_hand(S, defence, cut)).Y
         assert np.array_equal(defended_common(defence, cut, [0, 1])(S), want)
     noisy = defended_common(Defence(noise_sigma=0.5), None, [0, 2])(S)
     cs = common_set(S)
