@@ -5,7 +5,7 @@ drew, anchored at the common block's Gavish-Donoho count; with its rungs (k, d_h
 the §5 tokens, the missing-data estimate's time and the budget's peak memory. Exits 1 if either estimator is
 saturated with a value more than max(3, 0.5 % of d) off, or gives a lower bound above d (issue 14's honesty bound).
 
-Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--D D ...] [--out DIR] (not in ``make bench``:
+Run: python benchmarks/incomplete_estimator.py [--samples DIR] [--d D] [--N N ...] [--D D ...] [--anchor A] [--out DIR] (not in ``make bench``:
 a measurement; ~9 min a budget alone and ~4 GiB at N = 10^5 on the embedded model's 3,000 prompts, measured while
 the EM still ran in float64: its ladder there took 26 s against 57 s since, README). ``--samples``: any
 sampling folder, e.g. ``nv attack --simulate embedded``'s OUT/samples, or the sampling stage's (the default).
@@ -45,6 +45,9 @@ def main() -> int:
     ap.add_argument("--N", type=int, nargs="+", default=[50_000, 70_000, 100_000, 141_421],
                     help="budgets to thin to (each at most the sample's N)")
     ap.add_argument("--D", type=int, nargs="+", help="numbers of prompts, the first D (default: all of them)")
+    ap.add_argument("--anchor", type=int,
+                    help="probe: anchor the ladder at this count instead of the common block's Gavish-Donoho count (the "
+                         "estimator never does; README: "The anchor is what keeps it honest")")
     ap.add_argument("--out", help="folder for incomplete_estimator.json")
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["spectrum"])
@@ -62,7 +65,7 @@ def main() -> int:
             Y = common_set(T).Y
             robust = estimate_on(Y, "robust", spectrum["robust"])
             t_common = time.perf_counter() - start
-            anchor = incomplete.anchor(robust, Y.shape)
+            anchor = args.anchor or incomplete.anchor(robust, Y.shape)
             inc = incomplete.estimate(T, anchor, **spectrum["incomplete"], **spectrum["robust"], seed=params["seed"],
                                       progress=True)
             seconds = time.perf_counter() - start - t_common
