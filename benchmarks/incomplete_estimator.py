@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--D", type=int, nargs="+", help="numbers of prompts, the first D (default: all of them)")
     ap.add_argument("--anchor", type=int,
                     help="probe: anchor the ladder at this count instead of the common block's Gavish-Donoho count (the "
-                         "estimator never does; README: "The anchor is what keeps it honest")")
+                         "estimator never does; README: 'The anchor is what keeps it honest')")
     ap.add_argument("--out", help="folder for incomplete_estimator.json")
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["spectrum"])
