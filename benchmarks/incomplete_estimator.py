@@ -65,7 +65,7 @@ def main() -> int:
             Y = common_set(T).Y
             robust = estimate_on(Y, "robust", spectrum["robust"])
             t_common = time.perf_counter() - start
-            anchor = args.anchor or incomplete.anchor(robust, Y.shape)
+            anchor = incomplete.anchor(robust, Y.shape) if args.anchor is None else args.anchor
             inc = incomplete.estimate(T, anchor, **spectrum["incomplete"], **spectrum["robust"], seed=params["seed"],
                                       progress=True)
             seconds = time.perf_counter() - start - t_common
