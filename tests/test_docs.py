@@ -53,3 +53,16 @@ def test_the_figures_the_readme_names_are_the_ones_the_stages_write():
     named = set(re.findall(r"figures/[\w.-]+\.png", README))
     assert written and written == named, (sorted(written - named), sorted(named - written))
     assert all((ROOT / f).is_file() for f in written)  # committed with the run that made them
+
+
+def test_the_readme_tables_of_the_committed_run_are_what_metrics_holds(tmp_path):
+    from nv import records
+
+    blocks = [m[2] for m in records.BLOCK.finditer(README)]
+    assert sorted(blocks) == sorted(records.RENDER), blocks  # every table of the records is in the README, once
+    assert records.sync(README, ROOT / "metrics") == README, "README out of date with metrics/: python -m nv.records"
+    stale = tmp_path / "README.md"
+    stale.write_text(README.replace("<!-- records: validation -->\n", "<!-- records: validation -->\n| stale |\n", 1))
+    assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics"), "--check"]) == 1
+    assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics")]) == 0
+    assert stale.read_text() == README
