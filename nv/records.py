@@ -16,18 +16,23 @@ import re
 import sys
 from pathlib import Path
 
+from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
 
-BLOCK = re.compile(r"(<!-- records: (\w+) -->\n)(.*?)(<!-- /records -->)", re.S)
+OPEN, CLOSE = "<!-- records: ", "<!-- /records -->"
+# a block ends at the first closing marker and may not contain another opening one
+BLOCK = re.compile(r"(<!-- records: (\w+) -->\n)((?:(?!<!-- records: ).)*?)(<!-- /records -->)", re.S)
 
 
 def label(model: str) -> str:
-    """A model's name in tables: a packaged model's file name up to "-Instruct", else the spec as given."""
-    return re.split("-instruct", PACKAGED[model].file, flags=re.I)[0] if model in PACKAGED else model
+    """A model's name in tables: the spec as params names it, with a packaged model's file name up to "-Instruct"
+    beside it where the two differ (``embedded (SmolLM2-135M)``)."""
+    name = re.split("-instruct", PACKAGED[model].file, flags=re.I)[0] if model in PACKAGED else model
+    return f"`{model}`" if name.lower() == model.lower() else f"`{model}` ({name})"
 
 
 def sci(x: float, digits: int = 2) -> str:
-    """3.8·10^10, 10^5, 4.53·10^5: the README's way of writing budgets (``digits`` significant)."""
+    """3.8·10^10, 10^5, 4.53·10^5: the README's way of writing a budget x > 0 (``digits`` significant)."""
     e = math.floor(math.log10(x))
     m = round(x / 10 ** e, digits - 1)
     if m >= 10:
@@ -38,8 +43,9 @@ def sci(x: float, digits: int = 2) -> str:
 
 def pct(estimate: float, truth: float) -> str:
     """Signed relative error in %, two significant digits (-7.0 %, +26 %)."""
-    e = 100 * (estimate - truth) / truth
-    return f"{e:+.1f} %" if abs(e) < 10 else f"{e:+.0f} %"
+    e = round(100 * (estimate - truth) / truth, 1)
+    e = e if abs(e) < 10 else round(e)
+    return f"{e + 0.0:+.1f} %" if abs(e) < 10 else f"{e:+.0f} %"
 
 
 def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
@@ -54,7 +60,7 @@ def validation(metrics: dict) -> str:
     for m in metrics["models"]:
         tied = PACKAGED[m["model"]].facts.get("tied_embeddings") if m["model"] in PACKAGED else None
         if m["saturated"]:
-            d = f"**{m['d_hat_raw']:.0f}** [{m['d_lo']:.0f}, {m['d_hi']:.0f}]"
+            d = f"**{m['d_hat_raw']:.0f}** [{math.floor(m['d_lo'])}, {math.ceil(m['d_hi'])}]"
         else:
             d = f"**not saturated**: d >= {m['lower_bound']:.0f}"
         L = P = L10 = Pp = Po = "no estimate"
@@ -80,8 +86,8 @@ def timing(metrics: dict) -> str:
     for t in metrics["target"]:
         if t["d_source"] != "d_hat":
             continue
-        where = (f"same platform ({next(iter(metrics['platforms']))})" if t["calibration"] == "same platform"
-                 else f"{t['calibration']} (k = {t['k']:.1f})")
+        where = (f"same platform (`{next(iter(metrics['platforms']))}`)" if t["calibration"] == "same platform"
+                 else "`{}` -> `{}` (k = {:.1f})".format(*t["calibration"].split(" -> "), t["k"]))
         cells = [where]
         for key, truth in (("L_hat", "L_true"), ("L_hat_eq10", "L_true")):
             v = t.get(key)
@@ -119,8 +125,10 @@ def _cheapest(row: dict) -> str:
             cell += ", not exact at every dearer cell"
     elif row["best_lower_bound"] is not None:
         cell = f"not exact (d >= {row['best_lower_bound']:.0f} at {sci(row['max_tokens_tried'], 3)})"
+    elif not row["wrong_cells"]:
+        return "no estimate"
     else:
-        cell = "no estimate"
+        cell = "never exact"
     if row["wrong_cells"]:
         cell += f"; **wrong in {row['wrong_cells']} of {row['cells']} cells**"
     return cell
@@ -141,31 +149,45 @@ RENDER = {"validation": ("validation.json", validation), "timing": ("timing.json
 
 
 def sync(readme: str, metrics_dir: Path) -> str:
-    """``readme`` with every records block rewritten from the metrics under ``metrics_dir``."""
+    """``readme`` with every records block rewritten from the metrics under ``metrics_dir``. Each block of ``RENDER``
+    must be there once, each opened and closed: anything else is an NVError, so a lost marker never swallows text."""
+    names = [m[2] for m in BLOCK.finditer(readme)]
+    if readme.count(OPEN) != len(names) or readme.count(CLOSE) != len(names):
+        raise NVError(f"README: {readme.count(OPEN)} '{OPEN}NAME -->' markers, {readme.count(CLOSE)} '{CLOSE}', "
+                      f"{len(names)} blocks: every block needs both")
+    if sorted(names) != sorted(RENDER):
+        raise NVError(f"README: records blocks {sorted(names)}, expected each of {sorted(RENDER)} once")
+
     def block(m: re.Match) -> str:
-        if m[2] not in RENDER:
-            raise ValueError(f"README: unknown records block {m[2]!r} (known: {', '.join(RENDER)})")
         file, render = RENDER[m[2]]
-        return m[1] + render(json.loads((metrics_dir / file).read_text())) + m[4]
+        try:
+            metrics = json.loads((metrics_dir / file).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise NVError(f"{metrics_dir / file}: cannot read the metrics ({exc})") from exc
+        return m[1] + render(metrics) + m[4]
     return BLOCK.sub(block, readme)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m nv.records [--check]``: 0 written or in sync, 1 stale (``--check``), 2 a broken README or metrics."""
     parser = argparse.ArgumentParser(description="Write (or --check) the README's tables of the committed run from metrics/.")
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     parser.add_argument("--metrics", type=Path, default=Path("metrics"))
     parser.add_argument("--check", action="store_true", help="exit 1 if the README differs from what metrics/ gives")
     args = parser.parse_args(argv)
-    old = args.readme.read_text()
-    new = sync(old, args.metrics)
-    if args.check:
-        stale = [m[2] for m, n in zip(BLOCK.finditer(old), BLOCK.finditer(new)) if m[0] != n[0]]
-        if stale:
-            print(f"{args.readme}: records blocks not what {args.metrics}/ holds: {', '.join(stale)} "
-                  f"(python -m nv.records)", file=sys.stderr)
-        return 1 if stale else 0
-    args.readme.write_text(new)
-    return 0
+
+    def work() -> int:
+        old = args.readme.read_text()
+        new = sync(old, args.metrics)
+        if args.check:
+            stale = [m[2] for m, n in zip(BLOCK.finditer(old), BLOCK.finditer(new)) if m[0] != n[0]]
+            if stale:
+                print(f"{args.readme}: records blocks not what {args.metrics}/ holds: {', '.join(stale)} "
+                      f"(python -m nv.records)", file=sys.stderr)
+            return 1 if stale else 0
+        args.readme.write_text(new)
+        return 0
+    return run_main(work)
 
 
 if __name__ == "__main__":

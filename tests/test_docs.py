@@ -66,3 +66,11 @@ def test_the_readme_tables_of_the_committed_run_are_what_metrics_holds(tmp_path)
     assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics"), "--check"]) == 1
     assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics")]) == 0
     assert stale.read_text() == README
+    # a lost closing marker or a missing block is a one-line error, and nothing is written
+    broken = README.replace("<!-- /records -->", "", 1)
+    stale.write_text(broken)
+    assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics")]) == 2
+    assert stale.read_text() == broken
+    first = next(records.BLOCK.finditer(README))
+    stale.write_text(README.replace(first[0], "", 1))
+    assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics"), "--check"]) == 2
