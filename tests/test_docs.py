@@ -1,5 +1,6 @@
-"""The README's indexes stay true: every function its equation index names exists, and the figures it names are the
-ones the DVC stages write (a renamed function or a dropped figure fails here, not in a reader's hands)."""
+"""The README's indexes stay true: every function its equation index names exists, the figures it names are the
+ones the DVC stages write, and its tables of the committed run are what ``metrics/`` holds (a renamed function, a
+dropped figure or a table a run behind fails here, not in a reader's hands)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 from pathlib import Path
 
 import yaml
+
+from nv import records
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -56,8 +59,6 @@ def test_the_figures_the_readme_names_are_the_ones_the_stages_write():
 
 
 def test_the_readme_tables_of_the_committed_run_are_what_metrics_holds(tmp_path):
-    from nv import records
-
     blocks = [m[2] for m in records.BLOCK.finditer(README)]
     assert sorted(blocks) == sorted(records.RENDER), blocks  # every table of the records is in the README, once
     assert records.sync(README, ROOT / "metrics") == README, "README out of date with metrics/: python -m nv.records"
