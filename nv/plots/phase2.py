@@ -96,14 +96,13 @@ def errors(table: pd.DataFrame):
 
 def cross_platform(records: dict[str, list[dict]], discard: int):
     """App. B.3.3: the L-unknown relations T ~ gamma ell^2 d + zeta of the reference models on each
-    platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref."""
+    platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref of Eq. 8 as the
+    fit uses it: both gammas over the references timed on both platforms (``nv.phase2.fit.cross_platform_depth``)."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    gammas = {}
     for i, (platform, recs) in enumerate(records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
         pts = timings(refs, discard, "d")
         gamma = fit_gamma(pts.d, pts.ell, pts.T, pts.sigma)
-        gammas[platform] = gamma.slope
         x = pts.ell**2 * pts.d
         axes[0].scatter(x, pts.T, s=10, color=f"C{i}", alpha=0.6, label=f"{_LABELS.get(platform, platform)} references")
         xs = np.linspace(0, x.max(), 50)
@@ -114,8 +113,14 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
     axes[0].legend(fontsize=7)
     axes[1].set(xlabel="prompt tokens ell", ylabel="prefill time T (s)", title="the attacked model, end to end")
     axes[1].legend(fontsize=7)
-    names = list(gammas)
+    names = list(records)
     if len(names) == 2:
-        fig.suptitle(f"Cross-platform calibration: k = gamma_{names[1]} / gamma_{names[0]} = {gammas[names[1]] / gammas[names[0]]:.2f}")
+        both = {r["model"] for r in records[names[1]] if r["role"] == "reference"}
+        gamma = []
+        for platform in names:
+            pts = timings([r for r in records[platform] if r["role"] == "reference" and r["model"] in both], discard, "d")
+            gamma.append(fit_gamma(pts.d, pts.ell, pts.T, pts.sigma).slope)
+        fig.suptitle(f"Cross-platform calibration: k = gamma_{names[1]} / gamma_{names[0]} = {gamma[1] / gamma[0]:.2f} "
+                     f"over the {len(both)} references timed on both")
     fig.tight_layout()
     return fig
