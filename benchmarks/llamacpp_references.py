@@ -26,7 +26,7 @@ from nv.errors import NVError, run_main
 from nv.models.loading import load_model
 from nv.params import load_params
 from nv.phase2.evaluation import regime
-from nv.phase2.fit import fit_gamma
+from nv.phase2.fit import fit_gamma, transfer_factor
 from nv.phase2.platforms import reference_model, time_platform
 from nv.validation import evaluate_timing, load_timing
 
@@ -40,7 +40,7 @@ def own_k(folder: Path, discard: int) -> tuple[float, float]:
         record = json.loads((folder / f"{platform}.json").read_text())
         ell, T, sigma = regime(record, discard)
         gamma[platform] = fit_gamma(np.full(len(ell), float(record["d"])), ell, T, sigma).slope
-    return gamma["llamacpp"] / gamma["inprocess"], record["L"]
+    return transfer_factor(gamma["llamacpp"], gamma["inprocess"]), record["L"]
 
 
 def main() -> int:

@@ -16,8 +16,11 @@ import re
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
+from nv.overall import to_markdown
 
 OPEN, CLOSE = "<!-- records: ", "<!-- /records -->"
 # a block ends at the first closing marker and may not contain another opening one
@@ -48,10 +51,9 @@ def pct(estimate: float, truth: float) -> str:
     return f"{e + 0.0:+.1f} %" if abs(e) < 10 else f"{e:+.0f} %"
 
 
-def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
-    """A GitHub markdown table; ``align`` per column: "l" or "r"."""
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---:" if a == "r" else "---" for a in align) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """The rows (cells already written) as a markdown table, by the project's one table writer."""
+    return to_markdown(pd.DataFrame(rows, columns=header))
 
 
 def validation(metrics: dict) -> str:
@@ -77,7 +79,7 @@ def validation(metrics: dict) -> str:
                      f"{m['P_true'] / 1e6:.1f} M" + (" (tied)" if tied else ""), P, Pp, Po])
     return table(["model", "d", "d_hat_raw (90 %)", "L", "L_hat (rule's estimator; 90 %: hull; rule's alone)",
                   "L_hat Eq. 10", "P", "P_hat attacker-side (90 %: hull; rule's alone)", "P_hat paper ratios",
-                  "P_hat true ratios (oracle)"], list("lrlrllrlll"), rows)
+                  "P_hat true ratios (oracle)"], rows)
 
 
 def timing(metrics: dict) -> str:
@@ -98,7 +100,7 @@ def timing(metrics: dict) -> str:
         rows.append(cells)
     d_used = next(t["d_used"] for t in metrics["target"] if t["d_source"] == "d_hat")
     return table([f"attacked model (d_hat = {d_used:.0f} from phase 1)", "L_hat (§4.2 basic, Eq. 9)", "L_hat (Eq. 10)",
-                  "P_hat (true ratios)", "P_hat (paper ratios 1/4, 3.5, untied)"], list("lllll"), rows)
+                  "P_hat (true ratios)", "P_hat (paper ratios 1/4, 3.5, untied)"], rows)
 
 
 def planner(metrics: dict) -> str:
@@ -110,8 +112,7 @@ def planner(metrics: dict) -> str:
                      " / ".join(f"{c['measured_C']:,}" for c in checks),
                      " / ".join(f"{c['predicted_C']:,.0f}" for c in checks),
                      " / ".join(f"{c['N_ratio']:.2f}" for c in checks) + " x N"])
-    return table(["model", "N", "measured \\|C\\| (strict)", "predicted", "N the planner asks for that \\|C\\|"],
-                 list("lrrrr"), rows)
+    return table(["model", "N", "measured \\|C\\| (strict)", "predicted", "N the planner asks for that \\|C\\|"], rows)
 
 
 METHODS = {"robust": "robust", "incomplete": "missing-data", "paper": "paper"}
@@ -141,7 +142,7 @@ def tokens_to_exact(metrics: dict) -> str:
         groups.setdefault((r["model"], r["temperature"]), {})[r["method"]] = r
     rows = [[label(model), f"{tau:g}"] + [_cheapest(g[m]) if m in g else "" for m in METHODS]
             for (model, tau), g in groups.items()]
-    return table(["model", "tau"] + [f"{name}: tokens to exact (D, N)" for name in METHODS.values()], list("lrlll"), rows)
+    return table(["model", "tau"] + [f"{name}: tokens to exact (D, N)" for name in METHODS.values()], rows)
 
 
 RENDER = {"validation": ("validation.json", validation), "timing": ("timing.json", timing),

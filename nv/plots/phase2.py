@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from nv.phase2.evaluation import timings
-from nv.phase2.fit import fit_gamma, fit_scaling, scaling_relation
+from nv.phase2.fit import fit_gamma, fit_scaling, scaling_relation, transfer_factor
 
 _LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
 
@@ -120,7 +120,8 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
         for platform in names:
             pts = timings([r for r in records[platform] if r["role"] == "reference" and r["model"] in both], discard, "d")
             gamma.append(fit_gamma(pts.d, pts.ell, pts.T, pts.sigma).slope)
-        fig.suptitle(f"Cross-platform calibration: k = gamma_{names[1]} / gamma_{names[0]} = {gamma[1] / gamma[0]:.2f} "
+        k = transfer_factor(gamma[1], gamma[0])
+        fig.suptitle(f"Cross-platform calibration: k = gamma_{names[1]} / gamma_{names[0]} = {k:.2f} "
                      f"over the {len(both)} references timed on both")
     fig.tight_layout()
     return fig
