@@ -228,6 +228,10 @@ def check_planner(project: Path) -> None:
     assert {(m["model"], m["pilot_prompts"], m["pilot_N"]) for m in summary} == {("embedded", 60, 1000),
                                                                               ("qwen2.5-coder-0.5b", 60, 1000)}
     assert all(m["tokens_fitted"] > 0 and 0 < m["pilot_share"] < 0.5 for m in summary)
+    # the measured adaptive stop is the exactness stage's, where that loop stopped inside the draws (here neither did)
+    stops = json.loads((project / "metrics" / "efficiency.json").read_text())["adaptive"]
+    assert {m["model"]: m["adaptive_stop_N"] for m in summary} == {r["model"]: r["N"] if r["stop"] == "stable" else None
+                                                                   for r in stops} == {"embedded": None, "qwen2.5-coder-0.5b": None}
 
 
 def check_phase2(project: Path) -> None:

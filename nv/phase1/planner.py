@@ -131,8 +131,8 @@ def summarise(model: str, d_true: int, S: SampledMatrix, pilot: SampledMatrix, t
               adaptive_stop_N: float) -> dict:
     """One model's planner row: the pilot's size and share of the full sample, the N (and tokens) the planner asks for
     |C| >= d, and the measured stops against it: ``stop_N`` (the budget sweep's first exact budget) and
-    ``adaptive_stop_N`` (``sampling.N: auto``'s own stop; NaN for either where there is none). ``d_true`` is the
-    target only the evaluation knows."""
+    ``adaptive_stop_N`` (where ``sampling.N: auto`` stops on the same draws: its own run, or its loop replayed on
+    them; NaN for either where there is none). ``d_true`` is the target only the evaluation knows."""
     N_for_d = tail.samples_for(d_true, S.D) or np.nan
     return {"model": model, "d_true": d_true, "D": S.D, "pilot_prompts": pilot.D, "pilot_N": pilot.N,
             "pilot_tokens": pilot.tokens(), "pilot_share": pilot.tokens() / S.tokens(), "tokens_fitted": tail.m.size,

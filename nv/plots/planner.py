@@ -9,7 +9,8 @@ import pandas as pd
 
 def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.ndarray]], summary: pd.DataFrame):
     """One panel per model: the strict common set measured at each budget (dots) and the pilot's prediction (line),
-    the greedy-pruned common set (squares), the true d, the planner's N for |C| >= d and the measured stopping N."""
+    the greedy-pruned common set (squares), the true d, the planner's N for |C| >= d and the measured stops: the
+    budget sweep's first exact N and the adaptive loop's (``sampling.N: auto``, where it stops inside the draws)."""
     models = list(dict.fromkeys(table.model))
     fig, axes = plt.subplots(1, len(models), figsize=(5.4 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -22,10 +23,16 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
         if np.isfinite(s.N_for_d):
             ax.axvline(s.N_for_d, color="C0", ls="--", lw=1, label=f"planner: |C| >= d at N = {s.N_for_d:,.0f}")
         if np.isfinite(s.stop_N):
-            ax.axvline(s.stop_N, color="C3", ls="-.", lw=1, label=f"robust estimator exact from N = {s.stop_N:,.0f}")
+            ax.axvline(s.stop_N, color="C3", ls="-.", lw=1,
+                       label=f"robust estimator exact from N = {s.stop_N:,.0f} (budget sweep)")
+        if np.isfinite(s.adaptive_stop_N):
+            ratio = f" ({s.adaptive_stop_N / s.N_for_d:.2g}x the planner's)" if np.isfinite(s.N_for_d) else ""
+            ax.axvline(s.adaptive_stop_N, color="C1", ls="-", lw=1.2,
+                       label=f"adaptive loop stops at N = {s.adaptive_stop_N:,.0f}{ratio}")
         ax.set(xscale="log", yscale="log", ylim=(0.5, None), xlabel="samples per prompt N",
                ylabel=f"common-set size over D = {s.D:,.0f} prompts", title=model)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
-    fig.suptitle("Budget planner: the common set of the full attack predicted from a pilot (Theorem 1's mean, fitted tail)")
+    fig.suptitle("Budget planner: the common set of the full attack predicted from a pilot (Theorem 1's mean, fitted tail)",
+                 y=1.02)
     fig.tight_layout()
     return fig
