@@ -5,6 +5,8 @@ exact cell is the cheapest of the exact ones. The stage itself runs in tests/tes
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -228,6 +230,20 @@ def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
     assert sorted(set(table.N)) == [1000, 16_000]
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(S, [10**6], SPECTRUM, 0, oracle.rank)
+
+
+def test_budget_sweep_of_a_folder_thins_the_same_draws_from_disk(toy, tmp_path):
+    """Given the sampling folder, every budget is thinned shard by shard from disk (the rng carried across shards of 7
+    prompts): the same rows as the sweep of the sample in memory, the full N read as it is, no scratch folder left."""
+    oracle, S = toy
+    folder = save_samples(S, tmp_path / "samples", chunk=7)
+    scratch = set(Path(tempfile.gettempdir()).glob("nv-sweep-*"))
+    budgets = [1000, 4000, S.N]
+    pd.testing.assert_frame_equal(budget_sweep(folder, budgets, SPECTRUM, 0, oracle.rank)[0],
+                                  budget_sweep(S, budgets, SPECTRUM, 0, oracle.rank)[0])
+    assert set(Path(tempfile.gettempdir()).glob("nv-sweep-*")) == scratch
+    with pytest.raises(NVError, match="above the sample's N = 16,000"):
+        budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
 
 
 def test_a_grid_above_the_sample_is_empty_and_the_stage_says_so(toy):

@@ -5,31 +5,40 @@ The first N of the N_max calls of every prompt (hypergeometric thinning of the s
 paper on the common set, the missing-data one on the frequent tokens' observed entries). Each row carries
 the detector's interval (``nv.phase1.spectrum.d_interval``): ``[d_hat_raw - tol, d_hat_raw + tol]`` with
 ``tol = max(3, 0.5 % of d_hat_raw)`` when saturated, ``[lower bound, inf)`` when not.
+Given a sampling folder instead of the sample, each budget is thinned from its shards on disk (``thin``: the same
+draws), so no budget's estimators run beside the whole sample (peak memory: README, validation profile).
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
 from nv.phase1.pipeline import common_set, estimate_all
-from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sampling import SampledMatrix, iter_shards, load_samples, thin
 from nv.phase1.spectrum import SpectrumEstimate, d_interval, snap
 
 
-def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, seed: int, d_true: int | None,
+def budget_sweep(samples: SampledMatrix | str | Path, budgets: list[int], spectrum: dict, seed: int, d_true: int | None,
                  ) -> tuple[pd.DataFrame, dict[str, SpectrumEstimate]]:
     """One row per (budget N, estimator); also the estimates at the smallest budget (for its figure).
 
-    Budgets above the sample's own N (an adaptive run that stopped early) are left out, as in the exactness grid.
-    ``d_true`` (white-box knowledge) is used for ``rel_error`` and ``covered`` only."""
-    kept = sorted(N for N in budgets if N <= samples.N)
+    ``samples``: the sample, or its sampling folder (each budget then thinned from the shards on disk, one budget in
+    memory at a time). Budgets above the sample's own N (an adaptive run that stopped early) are left out, as in the
+    exactness grid. ``d_true`` (white-box knowledge) is used for ``rel_error`` and ``covered`` only."""
+    in_memory = isinstance(samples, SampledMatrix)
+    N_all = samples.N if in_memory else iter_shards(samples)[0]["N"]
+    kept = sorted(N for N in budgets if N <= N_all)
     if not kept:
-        raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {samples.N:,}: lower sweep.budgets")
+        raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {N_all:,}: lower sweep.budgets")
     rows, smallest = [], None
     for N in kept:
-        sub = samples.subsample(N, seed)
+        sub = samples.subsample(N, seed) if in_memory else _thinned_from(Path(samples), N, N_all, seed)
         cs = common_set(sub)
         estimates = estimate_all(sub, cs.Y, spectrum, seed)
         smallest = smallest or estimates
@@ -44,3 +53,15 @@ def budget_sweep(samples: SampledMatrix, budgets: list[int], spectrum: dict, see
                          "covered": None if not d_true else bool(lo <= d_true <= hi)})
         del sub  # freed before the next budget's thinning
     return pd.DataFrame(rows), smallest
+
+
+def _thinned_from(folder: Path, N: int, N_all: int, seed: int) -> SampledMatrix:
+    """``load_samples(folder).subsample(N, seed)`` without holding the whole sample (of ``N_all`` calls a prompt):
+    thinned shard by shard into a scratch folder (``thin``), read back, removed."""
+    if N == N_all:
+        return load_samples(folder)
+    scratch = Path(tempfile.mkdtemp(prefix=f"nv-sweep-N{N}-"))
+    try:
+        return load_samples(thin(folder, scratch / "samples", N, seed))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
