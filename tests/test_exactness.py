@@ -16,10 +16,10 @@ import pytest
 from matplotlib.colors import to_hex
 
 from nv.errors import NVError
+from nv.phase1 import pipeline
 from nv.phase1.adaptive import next_budget, stopped
 from nv.phase1.exactness import (GRID_COLUMNS, OUTCOMES, adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact,
                                  edge_ratio, first, grid, noise_edge, outcome, threshold)
-from nv.phase1 import pipeline
 from nv.phase1.pipeline import common_set, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
