@@ -273,8 +273,8 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         # which calls phase 2 makes follows from phase 1's d_hat (its sweep), known only once phase 1 ends
         with oracle.holding(phase2["requests"], phase2["tokens_billed"]):
             samples, search_cost, adaptive = search_and_sample(oracle, params, out, out / ".checkpoints", progress)
-        record, _ = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out, params["seed"],
-                                        whole=False, progress=progress)
+        record = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out, params["seed"],
+                                     progress)
         prompts = json.loads((out / "prompts.json").read_text())
         record.update(live_fields(oracle, record, prompts, samples))
         if timing is not None:

@@ -81,13 +81,19 @@ def test_grid_is_nested_and_finds_the_rank(toy):
 
 def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path):
     """The budget sweep of the same draws is the grid's column of all S.D prompts (the same thinning and estimators):
-    read from its CSV, the table is the one computed, to the byte; a sweep of other draws is refused."""
+    read from its CSV, the table is the one computed, to the byte, also with each N thinned from the sampling folder
+    on disk (no scratch folder left); a sweep of other draws is refused."""
     oracle, S = toy
     fresh = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     budget_sweep(S, [1000, 16_000], SPECTRUM, 0, oracle.rank)[0].to_csv(tmp_path / "sweep.csv", index=False)
     swept = pd.read_csv(tmp_path / "sweep.csv")
     read = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=swept)
     assert read.to_csv(index=False) == fresh.to_csv(index=False)
+    scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
+    folder = save_samples(S, tmp_path / "samples", chunk=7)  # each N thinned from disk: the same cells
+    assert grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
+                sweep=swept).to_csv(index=False) == fresh.to_csv(index=False)
+    assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
     marked = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
                   sweep=swept.assign(reason="from the sweep"))
     assert set(marked[marked.D == 80].reason) == {"from the sweep"} and "from the sweep" not in set(marked[marked.D == 40].reason)
@@ -235,25 +241,34 @@ def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
         budget_sweep(S, [10**6], SPECTRUM, 0, oracle.rank)
 
 
-def test_budget_sweep_of_a_folder_thins_the_same_draws_from_disk(toy, tmp_path):
+def test_budget_sweep_of_a_folder_thins_the_same_draws_from_disk(toy, tmp_path, monkeypatch):
     """Given the sampling folder, every budget is thinned shard by shard from disk (the rng carried across shards of 7
-    prompts): the same rows as the sweep of the sample in memory, the full N read as it is, no scratch folder left."""
+    prompts) and only the columns the estimators read are loaded, the full N included (it was read whole: 11.6 GB
+    on the 1.5B): the same rows as the sweep of the sample in memory, no scratch folder left."""
     oracle, S = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
-    scratch = set(Path(tempfile.gettempdir()).glob("nv-sweep-*"))
+    scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
     budgets = [1000, 4000, S.N]
+    columns_read = []
+
+    def spy(f, columns=None):
+        columns_read.append(columns)
+        return load_samples(f, columns)
+
+    monkeypatch.setattr(pipeline, "load_samples", spy)
     pd.testing.assert_frame_equal(budget_sweep(folder, budgets, SPECTRUM, 0, oracle.rank)[0],
                                   budget_sweep(S, budgets, SPECTRUM, 0, oracle.rank)[0])
-    assert set(Path(tempfile.gettempdir()).glob("nv-sweep-*")) == scratch
+    assert len(columns_read) == len(budgets) and all(c is not None for c in columns_read)  # never a whole read
+    assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
 
 
 def test_the_report_drops_its_sample_with_its_return(toy, tmp_path, monkeypatch):
     """``estimate_and_report`` draws the spectrum figure, whose log axes leave matplotlib reference cycles through the
-    frames up to the report's own: the sample it read back whole outlived the caller's reference until a full
-    collection (the 1.5B's phase-1 stage held its 4.8 GB through the budget sweep: 16.2 GB). With the automatic
-    collector off, the sample must go when the caller drops the report's return."""
+    frames up to the report's own: the sample it read back outlived the report until a full collection (the 1.5B's
+    phase-1 stage held its 4.8 GB through the budget sweep: 16.2 GB). With the automatic collector off, the sample
+    must be gone when the report returns."""
     oracle, S = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
     loaded = []
@@ -269,7 +284,7 @@ def test_the_report_drops_its_sample_with_its_return(toy, tmp_path, monkeypatch)
     gc.disable()
     try:
         record = pipeline.estimate_and_report(folder, spectrum, "toy", oracle.rank, {"tokens": 0, "calls": 0}, {},
-                                              tmp_path, 0, progress=False)[0]
+                                              tmp_path, 0, progress=False)
         assert record["d_hat_raw"] == oracle.rank and len(loaded) == 1 and loaded[0]() is None
     finally:
         if enabled:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_all, estimate_on
-from nv.phase1.sampling import MANIFEST, SampledMatrix
+from nv.phase1.sampling import MANIFEST, SampledMatrix, iter_shards, load_samples, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval
 
 OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
@@ -73,22 +73,31 @@ GRID_COLUMNS = ["model", "temperature", "D", "N", "tokens", "calls", "D_prime", 
                 "lower_bound", "reason", "outcome", "d_true"]
 
 
-def grid(S: SampledMatrix, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int, d_true: int,
-         model: str, progress: bool = True, sweep: pd.DataFrame | None = None) -> pd.DataFrame:
+def grid(S: SampledMatrix | str | Path, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int,
+         d_true: int, model: str, progress: bool = True, sweep: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (N, D, estimator) of the sample ``S`` (at its temperature): the common set, the estimate, its
-    outcome and the cell's cost. Values above S's own D or N are left out. ``sweep``: the budget sweep of S itself
-    (``nv.phase1.sweep.budget_sweep``, the same spectrum and seed), whose rows are the cells of all S.D prompts at
-    its budgets, the same thinning and estimators: read, not computed again (their tokens and calls checked)."""
-    D_values, N_values = sorted(v for v in D_values if v <= S.D), sorted(v for v in N_values if v <= S.N)
-    known = {} if sweep is None or S.D not in D_values else dict(iter(sweep.groupby("N", sort=False)))
+    outcome and the cell's cost. Values above S's own D or N are left out. ``S``: the sample, or its sampling folder
+    (each N then thinned from the shards on disk, ``thinned_folder``: only that N's sample in memory, never beside the
+    whole one). ``sweep``: the budget sweep of S itself (``nv.phase1.sweep.budget_sweep``, the same spectrum and
+    seed), whose rows are the cells of all S.D prompts at its budgets, the same thinning and estimators: read, not
+    computed again (their tokens and calls checked)."""
+    in_memory = isinstance(S, SampledMatrix)
+    meta = {"D": S.D, "N": S.N, "temperature": S.temperature} if in_memory else iter_shards(S)[0]
+    D_values = sorted(v for v in D_values if v <= meta["D"])
+    N_values = sorted(v for v in N_values if v <= meta["N"])
+    known = {} if sweep is None or meta["D"] not in D_values else dict(iter(sweep.groupby("N", sort=False)))
     rows = []
-    bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {S.temperature:g}",
+    bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {meta['temperature']:g}",
                unit="cell", disable=not progress)
     for N in N_values:
-        thinned = S.subsample(N, seed)
+        if in_memory:
+            thinned = S.subsample(N, seed)
+        else:
+            with thinned_folder(S, N, seed) as folder:
+                thinned = load_samples(folder)
         for D in D_values:
             cell = first(thinned, D)
-            if D == S.D and N in known:
+            if D == meta["D"] and N in known:
                 rows += _swept(known[N], cell, d_true, model)
                 bar.update()
                 continue

@@ -186,27 +186,21 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
 
 
 def estimate_and_report(samples_dir: Path, spectrum: dict, model_name: str, d_true: int | None, search_cost: dict,
-                        adaptive: dict, out_dir: Path, seed: int, whole: bool = True, progress: bool = True
-                        ) -> tuple[dict, SampledMatrix]:
-    """Pruning and the estimators (Alg. 1 lines 6-7, Alg. 2, ``estimate_all``) on the samples: writes ``report.json``
-    and ``spectrum.png`` under ``out_dir``; returns the report and the samples: read back whole (a budget sweep's need),
-    or with ``whole`` false only the common set's and the frequent tokens' columns (``common_set_of``: memory holds the
-    observation mask, not the sample's values). No oracle is needed (its model may be freed first); ``d_true``
-    (white-box) fills the error columns only."""
-    if whole:
-        sampled = load_samples(samples_dir)
-        common = common_set(sampled)
-    else:
-        common, sampled = common_set_of(samples_dir, spectrum["incomplete"]["frac"])
+                        adaptive: dict, out_dir: Path, seed: int, progress: bool = True) -> dict:
+    """Pruning and the estimators (Alg. 1 lines 6-7, Alg. 2, ``estimate_all``) on the samples, of which only the common
+    set's and the frequent tokens' columns are read (``common_set_of``: memory holds the observation mask, not the
+    sample's values): writes ``report.json`` and ``spectrum.png`` under ``out_dir`` and returns the report. No oracle
+    is needed (its model may be freed first); ``d_true`` (white-box) fills the error columns only."""
+    common, sampled = common_set_of(samples_dir, spectrum["incomplete"]["frac"])
     estimates = estimate_all(sampled, common.Y, spectrum, seed, progress)
     record = report(model_name, d_true, sampled.budget(), common.Y.shape, estimates, spectrum["method"], search_cost) | adaptive
     write_json(out_dir / "report.json", record)
     save(spectrum_panels(None, estimates["paper"], estimates["robust"], d_true), out_dir / "spectrum.png")
     # the figure's log axes leave matplotlib reference cycles through its frames, up to this one: collected now, or
-    # the sample stays alive after the caller drops it, until the next full collection (the 1.5B's phase-1 stage held
-    # its 4.8 GB through the budget sweep: 16.2 GB; README, validation)
+    # the sample stays alive after the report returns, until the next full collection (the 1.5B's phase-1 stage held
+    # its 4.8 GB through the budget sweep: 16.2 GB, when this read the sample whole; README, validation)
     gc.collect()
-    return record, sampled
+    return record
 
 
 def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None = None, progress: bool = True) -> dict:
@@ -214,4 +208,4 @@ def run(oracle, params: dict, out_dir: Path, model_name: str, d_true: int | None
     spectrum. Writes ``prompts.json``, ``samples/`` and ``report.json`` under ``out_dir``; returns the report."""
     samples_dir, search_cost, adaptive = search_and_sample(oracle, params, out_dir, out_dir / ".checkpoints", progress)
     return estimate_and_report(samples_dir, params["spectrum"], model_name, d_true, search_cost, adaptive, out_dir,
-                               params["seed"], whole=False, progress=progress)[0]
+                               params["seed"], progress)

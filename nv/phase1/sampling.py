@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -375,6 +376,21 @@ def thin(folder: str | Path, out: str | Path, N: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     return write_samples(out, {k: meta[k] for k in MANIFEST_KEYS} | {"N": N},
                          (_thinned(counts, logprobs, N, rng) + (prompt_tokens,) for counts, logprobs, prompt_tokens in shards))
+
+
+@contextmanager
+def thinned_folder(folder: str | Path, N: int, seed: int) -> Iterator[Path]:
+    """The draws of ``folder`` thinned to N calls a prompt, as a folder (``load_samples`` of it is
+    ``load_samples(folder).subsample(N, seed)``): a scratch folder written by ``thin`` and removed on exit, or
+    ``folder`` itself at its own N. Nested budgets read this way never hold the whole sample beside its thinning."""
+    if N == iter_shards(folder)[0]["N"]:
+        yield Path(folder)
+        return
+    scratch = Path(tempfile.mkdtemp(prefix=f"nv-thin-N{N}-"))
+    try:
+        yield thin(folder, scratch / "samples", N, seed)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> SampledMatrix:

@@ -5,22 +5,20 @@ The first N of the N_max calls of every prompt (hypergeometric thinning of the s
 paper on the common set, the missing-data one on the frequent tokens' observed entries). Each row carries
 the detector's interval (``nv.phase1.spectrum.d_interval``): ``[d_hat_raw - tol, d_hat_raw + tol]`` with
 ``tol = max(3, 0.5 % of d_hat_raw)`` when saturated, ``[lower bound, inf)`` when not.
-Given a sampling folder instead of the sample, each budget is thinned from its shards on disk (``thin``: the same
-draws), so no budget's estimators run beside the whole sample (peak memory: README, validation profile).
+Given a sampling folder instead of the sample, each budget is thinned from its shards on disk (``thinned_folder``:
+the same draws) and only the columns the estimators read are loaded (``common_set_of``), so no budget, the largest
+included, holds a whole sample (peak memory: README, validation profile).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.phase1.pipeline import common_set, estimate_all
-from nv.phase1.sampling import SampledMatrix, iter_shards, load_samples, thin
+from nv.phase1.pipeline import common_set, common_set_of, estimate_all
+from nv.phase1.sampling import SampledMatrix, iter_shards, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval, snap
 
 
@@ -38,8 +36,12 @@ def budget_sweep(samples: SampledMatrix | str | Path, budgets: list[int], spectr
         raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {N_all:,}: lower sweep.budgets")
     rows, smallest = [], None
     for N in kept:
-        sub = samples.subsample(N, seed) if in_memory else _thinned_from(Path(samples), N, N_all, seed)
-        cs = common_set(sub)
+        if in_memory:
+            sub = samples.subsample(N, seed)
+            cs = common_set(sub)
+        else:
+            with thinned_folder(samples, N, seed) as folder:
+                cs, sub = common_set_of(folder, spectrum["incomplete"]["frac"])
         estimates = estimate_all(sub, cs.Y, spectrum, seed)
         smallest = smallest or estimates
         for method, e in estimates.items():
@@ -54,14 +56,3 @@ def budget_sweep(samples: SampledMatrix | str | Path, budgets: list[int], spectr
         del sub  # freed before the next budget's thinning
     return pd.DataFrame(rows), smallest
 
-
-def _thinned_from(folder: Path, N: int, N_all: int, seed: int) -> SampledMatrix:
-    """``load_samples(folder).subsample(N, seed)`` without holding the whole sample (of ``N_all`` calls a prompt):
-    thinned shard by shard into a scratch folder (``thin``), read back, removed."""
-    if N == N_all:
-        return load_samples(folder)
-    scratch = Path(tempfile.mkdtemp(prefix=f"nv-sweep-N{N}-"))
-    try:
-        return load_samples(thin(folder, scratch / "samples", N, seed))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
