@@ -176,7 +176,7 @@ def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tupl
     for i, (knob, value) in enumerate(knobs):
         key = (knob, label(value))
         if knob == "none":
-            rounds, why = adaptive_stop(folder, S, sampling, robust, seed)
+            rounds, why = adaptive_stop(folder, sampling, robust, seed)
             rows[key] = (rounds, why)
         elif knob in LOGPROB_KNOBS and pd.isna(at_top.loc[key, "robust_d_hat_raw"]):
             rows[key] = ([{"N": S.N, "tokens": S.tokens(), "calls": S.calls(),
@@ -185,7 +185,7 @@ def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tupl
             defence = Defence(**{knob: value})
             served = served_sets(log_probs_T1, S.temperature, defence) if defence.truncates else None
             views[key], rows[key] = defended_common(defence, served, [seed, i]), None  # rows keep the params order
-    for key, (rounds, why) in adaptive_replays(S, sampling, robust, seed, views).items():
+    for key, (rounds, why) in adaptive_replays(folder, sampling, robust, seed, views).items():
         rows[key] = ([asdict(r) for r in rounds], why)
     out = []
     for (knob, setting), (rounds, why) in rows.items():

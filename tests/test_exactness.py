@@ -16,12 +16,12 @@ import pytest
 from matplotlib.colors import to_hex
 
 from nv.errors import NVError
-from nv.phase1 import pipeline
+from nv.phase1 import exactness, pipeline
 from nv.phase1.adaptive import next_budget, stopped
 from nv.phase1.exactness import (GRID_COLUMNS, OUTCOMES, adaptive_replay, adaptive_replays, adaptive_stop, cheapest_exact,
                                  edge_ratio, first, grid, noise_edge, outcome, threshold)
-from nv.phase1.pipeline import common_set, estimate_on
-from nv.phase1.sampling import collect, load_samples, save_samples
+from nv.phase1.pipeline import common_set, estimate_all, estimate_on
+from nv.phase1.sampling import collect, load_samples, save_samples, thin
 from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
@@ -41,7 +41,7 @@ def toy(tmp_path_factory):
     oracle = LowRankOracle()
     folder = collect(oracle, [f"prompt {q}" for q in range(80)], 16_000, 2.0, 0, tmp / "s", 300, tmp / "ck", {"m": "toy"}, 40,
                      False)
-    return oracle, load_samples(folder)
+    return oracle, load_samples(folder), folder
 
 
 def test_outcome_labels():
@@ -58,8 +58,8 @@ def test_outcome_labels():
 
 
 def test_grid_is_nested_and_finds_the_rank(toy):
-    oracle, S = toy
-    table = grid(S, [20, 80, 500], [100, 16_000, 10**6], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    oracle, S, folder = toy
+    table = grid(folder, [20, 80, 500], [100, 16_000, 10**6], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert set(table.D) == {20, 80} and set(table.N) == {100, 16_000}  # values above the sample's own are left out
     assert len(table) == 2 * 2 * 3 and set(table.method) == {"robust", "paper", "incomplete"}
     big = table[(table.D == 80) & (table.N == 16_000)].set_index("method")
@@ -80,31 +80,31 @@ def test_grid_is_nested_and_finds_the_rank(toy):
 
 
 def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path):
-    """The budget sweep of the same draws is the grid's column of all S.D prompts (the same thinning and estimators):
-    read from its CSV, the table is the one computed, to the byte, also with each N thinned from the sampling folder
-    on disk (no scratch folder left); a sweep of other draws is refused."""
-    oracle, S = toy
-    fresh = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
-    budget_sweep(S, [1000, 16_000], SPECTRUM, 0, oracle.rank)[0].to_csv(tmp_path / "sweep.csv", index=False)
-    swept = pd.read_csv(tmp_path / "sweep.csv")
-    read = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=swept)
-    assert read.to_csv(index=False) == fresh.to_csv(index=False)
+    """The budget sweep of the same draws is the grid's column of all D prompts (the same thinning and estimators):
+    read from its CSV, the table is the one computed, to the byte, whatever the folder's shards (no scratch folder
+    left); a sweep of other draws is refused."""
+    oracle, S, folder = toy
     scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
-    folder = save_samples(S, tmp_path / "samples", chunk=7)  # each N thinned from disk: the same cells
-    assert grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
+    fresh = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    budget_sweep(folder, [1000, 16_000], SPECTRUM, 0, oracle.rank)[0].to_csv(tmp_path / "sweep.csv", index=False)
+    swept = pd.read_csv(tmp_path / "sweep.csv")
+    read = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=swept)
+    assert read.to_csv(index=False) == fresh.to_csv(index=False)
+    resharded = save_samples(S, tmp_path / "samples", chunk=7)  # each N thinned shard by shard: the same cells
+    assert grid(resharded, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
                 sweep=swept).to_csv(index=False) == fresh.to_csv(index=False)
     assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
-    marked = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
+    marked = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
                   sweep=swept.assign(reason="from the sweep"))
     assert set(marked[marked.D == 80].reason) == {"from the sweep"} and "from the sweep" not in set(marked[marked.D == 40].reason)
-    other = budget_sweep(first(S, 40), [1000], SPECTRUM, 0, oracle.rank)[0]
+    other = budget_sweep(save_samples(first(S, 40), tmp_path / "other"), [1000], SPECTRUM, 0, oracle.rank)[0]
     with pytest.raises(NVError, match="not of these draws: at N = 1,000"):
-        grid(S, [80], [1000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=other)
+        grid(folder, [80], [1000], SPECTRUM, 0, oracle.rank, "toy", progress=False, sweep=other)
 
 
 def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
-    oracle, S = toy
-    table = grid(S, [10, 40, 80], [60, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    oracle, S, folder = toy
+    table = grid(folder, [10, 40, 80], [60, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     best = cheapest_exact(table).set_index("method")
     # the honesty check: neither the robust nor the missing-data estimator is wrong in any cell (each group counts it)
     assert best.loc[["robust", "incomplete"], "wrong_cells"].tolist() == [0, 0]
@@ -125,7 +125,7 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     none = cheapest_exact(table[table.N == 60]).set_index("method")
     assert np.isnan(none.loc["robust", "tokens"]) and none.loc["robust", "best_lower_bound"] == robust[robust.N == 60].lower_bound.max()
     # a panel where no cell has an estimate (an all-None column, as a stage's grid at a hopeless temperature)
-    hopeless = grid(S, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
+    hopeless = grid(folder, [10, 40], [60], SPECTRUM, 0, oracle.rank, "toy", progress=False).assign(temperature=1.0)
     fig = grid_figure(pd.concat([table, hopeless]), (20_000, 10**6))
     drawn = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
     assert sorted(drawn) == sorted([f"toy, tau = {S.temperature:g}, true d = {oracle.rank}", f"toy, tau = 1, true d = {oracle.rank}"])
@@ -149,9 +149,9 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
 
 
 def test_threshold_brackets_the_exact_cells_by_their_edge_ratio(toy, tmp_path):
-    oracle, S = toy
+    oracle, S, folder = toy
     assert edge_ratio(100, 100) == 25.0 and np.isclose(edge_ratio(400, 100), 400 * 100 / 30**2)
-    table = grid(S, [10, 20, 40, 80], [60, 300, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    table = grid(folder, [10, 20, 40, 80], [60, 300, 1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert np.allclose(table.R, edge_ratio(table.D_prime, table.C))
     robust = table[table.method == "robust"]
     exact = robust.outcome == "exact"
@@ -184,9 +184,9 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     """The adaptive loop's rounds and stop rule on the stored nested draws: the first round that meets the rule, with
     the true rank, found searching down from the stored N; every round below it fails the rule (checked here on all
     of them, not only those the search assessed); the schedule is capped at the stored N."""
-    oracle, S = toy
+    oracle, S, folder = toy
     sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
-    rounds, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
+    rounds, why = adaptive_replay(folder, sampling, SPECTRUM["robust"], 0)
     assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank and rounds[-1].N < S.N
     assert [r.round for r in rounds] == list(range(rounds[0].round, rounds[-1].round + 1)) and len(rounds) >= 3
     # the loop's path: x2 up to the first saturated round (which here fails its check), then sqrt(2) larger
@@ -205,47 +205,47 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     # the search ends at an unsaturated round; draws that run out first: the last round is the stored N (here
     # unsaturated); none at all below N_0
     assert not rounds[0].saturated
-    capped, why = adaptive_replay(S.subsample(rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
+    capped, why = adaptive_replay(thin(folder, tmp_path / "capped", rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
     assert why == "stored draws" and capped == rounds[:1]
-    assert adaptive_replay(S.subsample(100, 0), sampling, SPECTRUM["robust"], 0) == ([], "stored draws")
-    assert adaptive_replays(S, sampling, SPECTRUM["robust"], 0, {}) == {}  # no view to replay (the defences stage's
+    assert adaptive_replay(thin(folder, tmp_path / "few", 100, 0), sampling, SPECTRUM["robust"], 0) == ([], "stored draws")
+    assert adaptive_replays(folder, sampling, SPECTRUM["robust"], 0, {}) == {}  # no view to replay (the defences stage's
     # when no setting saturates at the stored N)
     # the figure marks the stop (and draws a model without one)
     last = rounds[-1]
     stops = pd.DataFrame([{"model": "toy", "temperature": S.temperature, "stop": "stable", "N": last.N, "d_hat_raw": last.d_hat_raw,
                            "lower_bound": last.lower_bound}, {"model": "other", "temperature": 1.0, "stop": "stored draws",
                            "N": None, "d_hat_raw": None, "lower_bound": None}])
-    table = grid(S, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
+    table = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     assert save(grid_figure(table, None, stops), tmp_path / "grid.png").stat().st_size > 20_000
 
 
 def test_adaptive_stop_reads_the_loops_own_record(toy, tmp_path):
     """Draws the adaptive loop sampled carry its rounds in their manifest: those are the stop, not a replay (a replay
     of these draws would stop stable at a smaller N); draws of a fixed N are replayed."""
-    oracle, S = toy
+    oracle, S, folder = toy
     sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
-    replayed, why = adaptive_replay(S, sampling, SPECTRUM["robust"], 0)
-    fixed = save_samples(S, tmp_path / "fixed")
-    assert adaptive_stop(fixed, S, sampling, SPECTRUM["robust"], 0) == ([vars(r) for r in replayed], why)
+    replayed, why = adaptive_replay(folder, sampling, SPECTRUM["robust"], 0)
+    assert adaptive_stop(folder, sampling, SPECTRUM["robust"], 0) == ([vars(r) for r in replayed], why)
     record = [{"round": 0, "N": S.N, "d_hat_raw": oracle.rank, "lower_bound": None}]
     looped = save_samples(S, tmp_path / "looped", {"adaptive": record, "stop": "N_max"})
-    assert adaptive_stop(looped, S, sampling, SPECTRUM["robust"], 0) == (record, "N_max")
+    assert adaptive_stop(looped, sampling, SPECTRUM["robust"], 0) == (record, "N_max")
 
 
 def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
     """An adaptive sample that stopped below a sweep budget: the sweep keeps the budgets it has, and says so when none."""
-    oracle, S = toy
-    table, _ = budget_sweep(S, [1000, 16_000, 10**6], SPECTRUM, 0, oracle.rank)
+    oracle, S, folder = toy
+    table, _ = budget_sweep(folder, [1000, 16_000, 10**6], SPECTRUM, 0, oracle.rank)
     assert sorted(set(table.N)) == [1000, 16_000]
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
-        budget_sweep(S, [10**6], SPECTRUM, 0, oracle.rank)
+        budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
 
 
-def test_budget_sweep_of_a_folder_thins_the_same_draws_from_disk(toy, tmp_path, monkeypatch):
-    """Given the sampling folder, every budget is thinned shard by shard from disk (the rng carried across shards of 7
-    prompts) and only the columns the estimators read are loaded, the full N included (it was read whole: 11.6 GB
-    on the 1.5B): the same rows as the sweep of the sample in memory, no scratch folder left."""
-    oracle, S = toy
+def test_sweep_and_replay_thin_from_disk_and_read_columns_only(toy, tmp_path, monkeypatch):
+    """Every budget of the sweep and every round of the adaptive replay (and its check) is thinned shard by shard from
+    disk (the rng carried across shards of 7 prompts) and only the columns the estimators read are loaded, the full N
+    included (a whole read held 11.6 GB on the 1.5B): the same rows as each thinning estimated in memory by hand, no
+    whole read, no scratch folder left."""
+    oracle, S, _ = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
     scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
     budgets = [1000, 4000, S.N]
@@ -256,9 +256,23 @@ def test_budget_sweep_of_a_folder_thins_the_same_draws_from_disk(toy, tmp_path, 
         return load_samples(f, columns)
 
     monkeypatch.setattr(pipeline, "load_samples", spy)
-    pd.testing.assert_frame_equal(budget_sweep(folder, budgets, SPECTRUM, 0, oracle.rank)[0],
-                                  budget_sweep(S, budgets, SPECTRUM, 0, oracle.rank)[0])
+    monkeypatch.setattr(exactness, "load_samples", spy)
+    table = budget_sweep(folder, budgets, SPECTRUM, 0, oracle.rank)[0]
+    for N in budgets:
+        sub = S.subsample(N, 0)
+        cs = common_set(sub)
+        by_hand = estimate_all(sub, cs.Y, SPECTRUM, 0)
+        rows = table[table.N == N].set_index("method")
+        assert set(rows.index) == set(by_hand) and (rows.D_prime.iloc[0], rows.C.iloc[0]) == cs.Y.shape
+        assert (rows.tokens == sub.tokens()).all() and (rows.calls == sub.calls()).all()
+        for method, e in by_hand.items():
+            said = [None if pd.isna(rows.loc[method, k]) else int(rows.loc[method, k]) for k in ("d_hat_raw", "lower_bound")]
+            assert said == [e.d_hat_raw, e.lower_bound], (N, method)
     assert len(columns_read) == len(budgets) and all(c is not None for c in columns_read)  # never a whole read
+    columns_read.clear()
+    rounds, why = adaptive_replay(folder, {"N0": 250, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 0)
+    assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank
+    assert len(columns_read) >= len(rounds) + 1 and all(c is not None for c in columns_read)  # rounds and checks
     assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
@@ -269,7 +283,7 @@ def test_the_report_drops_its_sample_with_its_return(toy, tmp_path, monkeypatch)
     frames up to the report's own: the sample it read back outlived the report until a full collection (the 1.5B's
     phase-1 stage held its 4.8 GB through the budget sweep: 16.2 GB). With the automatic collector off, the sample
     must be gone when the report returns."""
-    oracle, S = toy
+    oracle, S, folder = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
     loaded = []
 
@@ -294,9 +308,9 @@ def test_the_report_drops_its_sample_with_its_return(toy, tmp_path, monkeypatch)
 def test_a_grid_above_the_sample_is_empty_and_the_stage_says_so(toy):
     """D or N values all above a sample's own: no cell for that model (an empty table with the grid's columns, not a
     crash), and no cell for any model is a one-line error naming the params to lower (a KeyError before)."""
-    _, S = toy
+    _, S, folder = toy
     for D_values, N_values in (([S.D + 1], [300]), ([10], [S.N + 1])):
-        empty = grid(S, D_values, N_values, SPECTRUM, 0, 8, "toy", progress=False)
+        empty = grid(folder, D_values, N_values, SPECTRUM, 0, 8, "toy", progress=False)
         assert empty.empty and list(empty.columns) == GRID_COLUMNS
     with pytest.raises(NVError, match="no cell of the .D, N. grid fits a sample.*exactness.D_values or N_values"):
         cheapest_exact(pd.concat([empty, empty], ignore_index=True))

@@ -217,13 +217,6 @@ def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     assert sub.tokens() * 10 == S.tokens()
     with pytest.raises(NVError, match="sub-budget"):
         S.subsample(30000, seed=1)
-    # then: the first 700 of those 2,000 calls in one pass, the same draws as thinning the thinned sample
-    nested, again = S.subsample(2000, seed=1, then=700), sub.subsample(700, seed=1)
-    assert nested.N == 700 and (nested.counts > sub.counts).nnz == 0
-    assert all(np.array_equal(getattr(getattr(nested, m), f), getattr(getattr(again, m), f))
-               for m in ("counts", "logprobs") for f in ("data", "indices", "indptr"))
-    with pytest.raises(NVError, match="nested sub-budget"):
-        S.subsample(2000, seed=1, then=2001)
 
 
 def test_streamed_mask_and_columns_match_the_full_matrix(lm32, tmp_path):

@@ -2,7 +2,8 @@
 and sampling temperature tau, and the cheapest exact cell, in §5's token cost.
 
 Every cell of one (model, tau) sample is nested in both D and N: the first D prompts and, of each, the first N of
-its stored calls (hypergeometric thinning, ``SampledMatrix.subsample``), as the budget sweep (§5.1) is nested in N.
+its stored calls (hypergeometric thinning of the shards on disk, ``thinned_folder``), as the budget sweep (§5.1) is
+nested in N.
 The true d (white-box) only labels the outcome; the estimators never see it. ``adaptive_stop``: where the adaptive loop
 (``nv.phase1.adaptive``) stops on a model's draws, from the loop's own record when they were sampled adaptively, else
 replayed on the nested draws (``adaptive_replay``): its stopping point without new calls.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from tqdm.auto import tqdm
 
 from nv.errors import NVError
 from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
-from nv.phase1.pipeline import common_set, estimate_all, estimate_on
+from nv.phase1.pipeline import common_set, common_set_of, estimate_all
 from nv.phase1.sampling import MANIFEST, SampledMatrix, iter_shards, load_samples, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval
 
@@ -73,16 +75,15 @@ GRID_COLUMNS = ["model", "temperature", "D", "N", "tokens", "calls", "D_prime", 
                 "lower_bound", "reason", "outcome", "d_true"]
 
 
-def grid(S: SampledMatrix | str | Path, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int,
-         d_true: int, model: str, progress: bool = True, sweep: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per (N, D, estimator) of the sample ``S`` (at its temperature): the common set, the estimate, its
-    outcome and the cell's cost. Values above S's own D or N are left out. ``S``: the sample, or its sampling folder
-    (each N then thinned from the shards on disk, ``thinned_folder``: only that N's sample in memory, never beside the
-    whole one). ``sweep``: the budget sweep of S itself (``nv.phase1.sweep.budget_sweep``, the same spectrum and
-    seed), whose rows are the cells of all S.D prompts at its budgets, the same thinning and estimators: read, not
-    computed again (their tokens and calls checked)."""
-    in_memory = isinstance(S, SampledMatrix)
-    meta = {"D": S.D, "N": S.N, "temperature": S.temperature} if in_memory else iter_shards(S)[0]
+def grid(folder: str | Path, D_values: Iterable[int], N_values: Iterable[int], spectrum: dict, seed: int, d_true: int,
+         model: str, progress: bool = True, sweep: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (N, D, estimator) of the sample in the sampling folder ``folder`` (at its temperature): the common
+    set, the estimate, its outcome and the cell's cost. Values above the sample's own D or N are left out. Each N is
+    thinned from the shards on disk (``thinned_folder``): only that N's sample in memory, never beside the whole one.
+    ``sweep``: the budget sweep of these draws (``nv.phase1.sweep.budget_sweep``, the same spectrum and seed), whose
+    rows are the cells of all D prompts at its budgets, the same thinning and estimators: read, not computed again
+    (their tokens and calls checked)."""
+    meta = iter_shards(folder)[0]
     D_values = sorted(v for v in D_values if v <= meta["D"])
     N_values = sorted(v for v in N_values if v <= meta["N"])
     known = {} if sweep is None or meta["D"] not in D_values else dict(iter(sweep.groupby("N", sort=False)))
@@ -90,11 +91,8 @@ def grid(S: SampledMatrix | str | Path, D_values: Iterable[int], N_values: Itera
     bar = tqdm(total=len(D_values) * len(N_values), desc=f"(D, N) grid of {model} at tau = {meta['temperature']:g}",
                unit="cell", disable=not progress)
     for N in N_values:
-        if in_memory:
-            thinned = S.subsample(N, seed)
-        else:
-            with thinned_folder(S, N, seed) as folder:
-                thinned = load_samples(folder)
+        with thinned_folder(folder, N, seed) as at:
+            thinned = load_samples(at)
         for D in D_values:
             cell = first(thinned, D)
             if D == meta["D"] and N in known:
@@ -171,27 +169,27 @@ def threshold(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
+def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int,
                      views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None]) -> dict[Hashable, tuple[list[Round], str]]:
-    """The adaptive loop (``sampling.N: auto``) replayed on stored draws, once per view of them (draws -> the matrix Y
-    the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``). The loop replayed is
-    the robust estimator's (``sampling.estimator: robust``; draws the loop itself sampled carry its own record,
-    ``adaptive_stop``).
-    Round r assesses the view of the first N_r calls of each prompt of S as the live loop does (``assess``; thinning is
-    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2) (in one
-    pass from S, ``SampledMatrix.subsample``'s ``then``, once the round's own draws are freed); views at the same N
-    share its thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule``, capped at
-    S.N), then as the loop picks them (``after``).
+    """The adaptive loop (``sampling.N: auto``) replayed on the draws stored in ``folder``, once per view of them
+    (draws -> the matrix Y the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``).
+    The loop replayed is the robust estimator's (``sampling.estimator: robust``; draws the loop itself sampled carry
+    its own record, ``adaptive_stop``).
+    Round r assesses the view of the first N_r calls of each prompt as the live loop does (``assess``; thinning is
+    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2); both
+    are thinned from disk (``_assess_at``), and views at the same N share the thinning. The rounds are the loop's:
+    growth x up to the first saturated one (``schedule``, capped at the stored N), then as the loop picks them
+    (``after``).
 
-    Searched down from S.N for the first saturated round: the growth rounds are assessed from the top while saturated;
-    taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the common set),
-    the lowest of that saturated run is where the loop first saturates, found without thinning the rounds below it.
-    From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on the loop's
-    path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws" when its
-    next round is beyond S.N (the live loop would go on; no round at all when S.N < N_0)."""
+    Searched down from the stored N for the first saturated round: the growth rounds are assessed from the top while
+    saturated; taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the
+    common set), the lowest of that saturated run is where the loop first saturates, found without thinning the rounds
+    below it. From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on
+    the loop's path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws"
+    when its next round is beyond the stored N (the live loop would go on; no round at all when that N < N_0)."""
     N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]
-    plan = schedule(N0, min(N_max, S.N), growth) if S.N >= N0 else []
-    views = {key: view or _common for key, view in views.items()}
+    N_all = iter_shards(folder)[0]["N"]
+    plan = schedule(N0, min(N_max, N_all), growth) if N_all >= N0 else []
     down = {key: [] for key in views}  # the growth rounds assessed and whether each met the rule, top down
     path, ahead, why = {}, {}, {}
 
@@ -199,7 +197,7 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
         """A round on the loop's path: stop there, or note the next round to assess."""
         path[key].append(done)
         nxt = after(done, stable, N_max, growth)
-        if nxt is None or nxt > S.N:
+        if nxt is None or nxt > N_all:
             why[key] = "stable" if stable else "N_max" if nxt is None else "stored draws"
         else:
             ahead[key] = (done.round + 1, nxt)
@@ -209,8 +207,8 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
         for r in range(len(plan) - 1, -1, -1):
             if not active:
                 break
-            for key, (done, stable) in _assess_at(S, plan[r], {key: views[key] for key in active}, dict.fromkeys(active, r),
-                                                  robust, seed).items():
+            for key, (done, stable) in _assess_at(folder, plan[r], {key: views[key] for key in active},
+                                                  dict.fromkeys(active, r), robust, seed).items():
                 down[key].insert(0, (done, stable))
                 if not done.saturated:
                     active.remove(key)
@@ -227,45 +225,56 @@ def adaptive_replays(S: SampledMatrix, sampling: dict, robust: dict, seed: int,
             at_N = {key: r for key, (r, n) in ahead.items() if n == N}
             for key in at_N:
                 del ahead[key]
-            for key, (done, stable) in _assess_at(S, N, {key: views[key] for key in at_N}, at_N, robust, seed).items():
+            for key, (done, stable) in _assess_at(folder, N, {key: views[key] for key in at_N}, at_N, robust, seed).items():
                 step(key, done, stable)
             bar.update()
     return {key: (path[key], why[key]) for key in views}
 
 
-def _assess_at(S: SampledMatrix, N: int, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray]],
+def _assess_at(folder: str | Path, N: int, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None],
                rounds: dict[Hashable, int], robust: dict, seed: int) -> dict[Hashable, tuple[Round, bool]]:
-    """``assess`` of every view at the first N calls of S (as round ``rounds[key]``), its check thinned from S
-    itself: S and one thinned sample in memory at a time."""
-    S_N = S.subsample(N, seed)
-    at_N = {key: round_estimate(view(S_N), robust) for key, view in views.items()}  # every view's, then S_N is freed
-    budget = S_N.budget()
-    del S_N
-    checks = {}
+    """``assess`` of every view at the first N calls of the draws in ``folder`` (as round ``rounds[key]``): the round
+    thinned from disk (``thinned_folder``), its check thinned from that, so that no sample is held beside its thinning."""
+    with thinned_folder(folder, N, seed) as at:
+        found, budget = _estimated(at, views, robust)
+        saturated = {key: views[key] for key, (est, _) in found.items() if est.saturated}
+        checks = {}
 
-    def thinned(n: int) -> SampledMatrix:
-        if n not in checks:
-            checks[n] = S.subsample(N, seed, then=n)
-        return checks[n]
+        def check(key: Hashable, n: int) -> SpectrumEstimate:
+            if n not in checks:
+                with thinned_folder(at, n, seed) as sub:
+                    checks[n] = _estimated(sub, saturated, robust)[0]
+            return checks[n][key][0]
 
-    return {key: assess(rounds[key], *at_N[key], budget,
-                        lambda n, key=key: estimate_on(views[key](thinned(n)), "robust", robust)) for key in views}
-
-
-def _common(S: SampledMatrix) -> np.ndarray:
-    return common_set(S).Y
+        return {key: assess(rounds[key], *found[key], budget, partial(check, key)) for key in views}
 
 
-def adaptive_replay(S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
+def _estimated(folder: Path, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None], robust: dict
+               ) -> tuple[dict[Hashable, tuple[SpectrumEstimate, tuple[int, int]]], dict]:
+    """``round_estimate`` of each view of the draws in ``folder``, and their cost: the view None reads the common set's
+    columns only (``common_set_of``), the others share the whole sample, read once."""
+    found, whole, read = {}, None, None
+    for key, view in views.items():
+        if view is None:
+            common, read = common_set_of(folder)
+            found[key] = round_estimate(common.Y, robust)
+        else:
+            if whole is None:
+                whole = read = load_samples(folder)
+            found[key] = round_estimate(view(whole), robust)
+    return found, read.budget()
+
+
+def adaptive_replay(folder: str | Path, sampling: dict, robust: dict, seed: int) -> tuple[list[Round], str]:
     """``adaptive_replays`` of the draws as they are: the rounds and why they stopped."""
-    return adaptive_replays(S, sampling, robust, seed, {None: None})[None]
+    return adaptive_replays(folder, sampling, robust, seed, {None: None})[None]
 
 
-def adaptive_stop(folder: str | Path, S: SampledMatrix, sampling: dict, robust: dict, seed: int) -> tuple[list[dict], str]:
-    """Where ``sampling.N: auto`` stops on the draws in ``folder`` (S, loaded from it): the rounds and stop its manifest
-    records when the loop itself sampled them (the sampling stage at N: auto, same params), else ``adaptive_replay``."""
+def adaptive_stop(folder: str | Path, sampling: dict, robust: dict, seed: int) -> tuple[list[dict], str]:
+    """Where ``sampling.N: auto`` stops on the draws in ``folder``: the rounds and stop its manifest records when the
+    loop itself sampled them (the sampling stage at N: auto, same params), else ``adaptive_replay``."""
     meta = json.loads((Path(folder) / MANIFEST).read_text())
     if "adaptive" in meta:
         return meta["adaptive"], meta["stop"]
-    rounds, why = adaptive_replay(S, sampling, robust, seed)
+    rounds, why = adaptive_replay(folder, sampling, robust, seed)
     return [asdict(r) for r in rounds], why

@@ -54,27 +54,21 @@ class SampledMatrix:
         """D, N, tau and the §5 cost of this matrix (what a report needs besides the estimate)."""
         return {"D": self.D, "N": self.N, "temperature": self.temperature, "tokens": self.tokens(), "calls": self.calls()}
 
-    def subsample(self, N: int, seed: int, then: int | None = None) -> SampledMatrix:
-        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning); ``then``: the first
-        ``then`` of those N, the matrix ``subsample(N, seed).subsample(then, seed)`` gives, without holding the N-call
-        one (the adaptive replay's nested check, ``nv.phase1.exactness``)."""
+    def subsample(self, N: int, seed: int) -> SampledMatrix:
+        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning)."""
         if not 1 <= N <= self.N:
             raise NVError(f"sub-budget N must be in [1, {self.N}], got {N}")
-        if then is not None and not 1 <= then <= N:
-            raise NVError(f"nested sub-budget must be in [1, {N}], got {then}")
-        then = None if then == N else then  # the first N of N calls are all of them
         if N == self.N:
-            return self if then is None else self.subsample(then, seed)
-        rng, rng_then = np.random.default_rng(seed), np.random.default_rng(seed)
-        counts, logprobs = _thinned(self.counts, self.logprobs, N, rng, then, rng_then)
-        return SampledMatrix(logprobs, counts, self.prompt_tokens, then or N, self.temperature)
+            return self
+        counts, logprobs = _thinned(self.counts, self.logprobs, N, np.random.default_rng(seed))
+        return SampledMatrix(logprobs, counts, self.prompt_tokens, N, self.temperature)
 
 
-def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.random.Generator, then: int | None = None,
-             rng_then: np.random.Generator | None = None) -> tuple[sp.csr_matrix, sp.csr_matrix]:
-    """Rows of Y_hat (counts, log-probs) thinned to N calls each, drawing from ``rng`` row after row (and then to
-    ``then`` from ``rng_then``): the same draws whether the rows come whole (``SampledMatrix.subsample``) or a shard
-    at a time with the generators carried on (``thin``)."""
+def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.random.Generator
+             ) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """Rows of Y_hat (counts, log-probs) thinned to N calls each, drawing from ``rng`` row after row: the same draws
+    whether the rows come whole (``SampledMatrix.subsample``) or a shard at a time with the generator carried on
+    (``thin``)."""
     indptr = counts.indptr
     # row by row into arrays sized for every entry, then shrunk in place (realloc): only the kept entries are
     # ever written, so resident memory is the thinned sample alone, not an nnz-sized draw and keep mask beside it
@@ -85,9 +79,6 @@ def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.ran
         row = slice(indptr[q], indptr[q + 1])
         drawn = rng.multivariate_hypergeometric(counts.data[row], N)
         keep = drawn > 0
-        if then is not None:  # the N-call row's own thinning, as its subsample draws it
-            drawn[keep] = rng_then.multivariate_hypergeometric(drawn[keep], then)
-            keep = drawn > 0
         start, stop = new_indptr[q], new_indptr[q] + np.count_nonzero(keep)
         out["counts"][start:stop] = drawn[keep]
         out["indices"][start:stop] = counts.indices[row][keep]

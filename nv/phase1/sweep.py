@@ -1,13 +1,12 @@
 """Budget sweep (§5.2, Fig. val_plot): d_hat at nested budgets of the same prompts.
 
-The first N of the N_max calls of every prompt (hypergeometric thinning of the stored counts,
-``SampledMatrix.subsample``), pruned to the common set and given to every estimator (``estimate_all``: robust and
-paper on the common set, the missing-data one on the frequent tokens' observed entries). Each row carries
-the detector's interval (``nv.phase1.spectrum.d_interval``): ``[d_hat_raw - tol, d_hat_raw + tol]`` with
-``tol = max(3, 0.5 % of d_hat_raw)`` when saturated, ``[lower bound, inf)`` when not.
-Given a sampling folder instead of the sample, each budget is thinned from its shards on disk (``thinned_folder``:
-the same draws) and only the columns the estimators read are loaded (``common_set_of``), so no budget, the largest
-included, holds a whole sample (peak memory: README, validation profile).
+The first N of the N_max calls of every prompt (hypergeometric thinning of the shards on disk, ``thinned_folder``),
+pruned to the common set and given to every estimator (``estimate_all``: robust and paper on the common set, the
+missing-data one on the frequent tokens' observed entries). Only the columns the estimators read are loaded
+(``common_set_of``), so no budget, the largest included, holds a whole sample (peak memory: README, validation
+profile). Each row carries the detector's interval (``nv.phase1.spectrum.d_interval``):
+``[d_hat_raw - tol, d_hat_raw + tol]`` with ``tol = max(3, 0.5 % of d_hat_raw)`` when saturated, ``[lower bound, inf)``
+when not.
 """
 
 from __future__ import annotations
@@ -17,31 +16,25 @@ from pathlib import Path
 import pandas as pd
 
 from nv.errors import NVError
-from nv.phase1.pipeline import common_set, common_set_of, estimate_all
-from nv.phase1.sampling import SampledMatrix, iter_shards, thinned_folder
+from nv.phase1.pipeline import common_set_of, estimate_all
+from nv.phase1.sampling import iter_shards, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval, snap
 
 
-def budget_sweep(samples: SampledMatrix | str | Path, budgets: list[int], spectrum: dict, seed: int, d_true: int | None,
+def budget_sweep(folder: str | Path, budgets: list[int], spectrum: dict, seed: int, d_true: int | None,
                  ) -> tuple[pd.DataFrame, dict[str, SpectrumEstimate]]:
-    """One row per (budget N, estimator); also the estimates at the smallest budget (for its figure).
-
-    ``samples``: the sample, or its sampling folder (each budget then thinned from the shards on disk, one budget in
-    memory at a time). Budgets above the sample's own N (an adaptive run that stopped early) are left out, as in the
-    exactness grid. ``d_true`` (white-box knowledge) is used for ``rel_error`` and ``covered`` only."""
-    in_memory = isinstance(samples, SampledMatrix)
-    N_all = samples.N if in_memory else iter_shards(samples)[0]["N"]
+    """One row per (budget N, estimator) of the sample in the sampling folder ``folder``, one budget in memory at a
+    time; also the estimates at the smallest budget (for its figure). Budgets above the sample's own N (an adaptive
+    run that stopped early) are left out, as in the exactness grid. ``d_true`` (white-box knowledge) is used for
+    ``rel_error`` and ``covered`` only."""
+    N_all = iter_shards(folder)[0]["N"]
     kept = sorted(N for N in budgets if N <= N_all)
     if not kept:
         raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {N_all:,}: lower sweep.budgets")
     rows, smallest = [], None
     for N in kept:
-        if in_memory:
-            sub = samples.subsample(N, seed)
-            cs = common_set(sub)
-        else:
-            with thinned_folder(samples, N, seed) as folder:
-                cs, sub = common_set_of(folder, spectrum["incomplete"]["frac"])
+        with thinned_folder(folder, N, seed) as at:
+            cs, sub = common_set_of(at, spectrum["incomplete"]["frac"])
         estimates = estimate_all(sub, cs.Y, spectrum, seed)
         smallest = smallest or estimates
         for method, e in estimates.items():
