@@ -8,7 +8,6 @@ import gc
 import math
 import tempfile
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -79,12 +78,14 @@ def test_grid_is_nested_and_finds_the_rank(toy):
     assert set(table.outcome) <= set(OUTCOMES)
 
 
-def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path):
+def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path, monkeypatch):
     """The budget sweep of the same draws is the grid's column of all D prompts (the same thinning and estimators):
     read from its CSV, the table is the one computed, to the byte, whatever the folder's shards (no scratch folder
     left); a sweep of other draws is refused."""
     oracle, S, folder = toy
-    scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # thinned_folder's scratch folders go here
     fresh = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False)
     budget_sweep(folder, [1000, 16_000], SPECTRUM, 0, oracle.rank)[0].to_csv(tmp_path / "sweep.csv", index=False)
     swept = pd.read_csv(tmp_path / "sweep.csv")
@@ -93,7 +94,7 @@ def test_a_grid_reads_the_budget_sweeps_cells_of_all_prompts(toy, tmp_path):
     resharded = save_samples(S, tmp_path / "samples", chunk=7)  # each N thinned shard by shard: the same cells
     assert grid(resharded, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
                 sweep=swept).to_csv(index=False) == fresh.to_csv(index=False)
-    assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
+    assert not any(scratch.iterdir())
     marked = grid(folder, [40, 80], [1000, 16_000], SPECTRUM, 0, oracle.rank, "toy", progress=False,
                   sweep=swept.assign(reason="from the sweep"))
     assert set(marked[marked.D == 80].reason) == {"from the sweep"} and "from the sweep" not in set(marked[marked.D == 40].reason)
@@ -202,6 +203,7 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
         assessed = next((r for r in rounds if r.N == N), None)
         if assessed:
             assert (assessed.saturated, assessed.d_hat_raw) == (est.saturated, est.d_hat_raw)
+            assert assessed.check_d_hat_raw == (check.d_hat_raw if est.saturated else None)  # the round's own thinning
     # the search ends at an unsaturated round; draws that run out first: the last round is the stored N (here
     # unsaturated); none at all below N_0
     assert not rounds[0].saturated
@@ -247,7 +249,9 @@ def test_sweep_and_replay_thin_from_disk_and_read_columns_only(toy, tmp_path, mo
     whole read, no scratch folder left."""
     oracle, S, _ = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
-    scratch = set(Path(tempfile.gettempdir()).glob("nv-thin-*"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # thinned_folder's scratch folders go here
     budgets = [1000, 4000, S.N]
     columns_read = []
 
@@ -273,7 +277,7 @@ def test_sweep_and_replay_thin_from_disk_and_read_columns_only(toy, tmp_path, mo
     rounds, why = adaptive_replay(folder, {"N0": 250, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 0)
     assert why == "stable" and rounds[-1].d_hat_raw == oracle.rank
     assert len(columns_read) >= len(rounds) + 1 and all(c is not None for c in columns_read)  # rounds and checks
-    assert set(Path(tempfile.gettempdir()).glob("nv-thin-*")) == scratch
+    assert not any(scratch.iterdir())
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
 
@@ -283,7 +287,7 @@ def test_the_report_drops_its_sample_with_its_return(toy, tmp_path, monkeypatch)
     frames up to the report's own: the sample it read back outlived the report until a full collection (the 1.5B's
     phase-1 stage held its 4.8 GB through the budget sweep: 16.2 GB). With the automatic collector off, the sample
     must be gone when the report returns."""
-    oracle, S, folder = toy
+    oracle, S, _ = toy
     folder = save_samples(S, tmp_path / "samples", chunk=7)
     loaded = []
 
