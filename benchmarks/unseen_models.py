@@ -29,7 +29,6 @@ from nv.models.loading import LoadedModel, embedded_gguf, load_model
 from nv.models.reference_family import Shape, random_llama, shape_from_entry, write_gguf
 from nv.params import load_params
 from nv.phase1.planner import fit, pilot_of
-from nv.phase1.sampling import load_samples
 from nv.phase1.spectrum import d_interval
 
 from _common import GIB, verdict
@@ -90,9 +89,9 @@ def main() -> int:
         robust = str(report["d_hat_raw"]) if report["saturated"] else f"d >= {report['lower_bound']}"
         if not lo <= d <= hi:
             wrong.append(f"{path.name}: robust says {robust} for d = {d}")
-        S = load_samples(work / path.stem / "samples")
         planner = params["planner"]
-        N_for_d = fit(pilot_of(S, planner["pilot_prompts"], planner["pilot_N"], params["seed"]), planner["min_seen"]).samples_for(d, S.D)
+        pilot = pilot_of(work / path.stem / "samples", planner["pilot_prompts"], planner["pilot_N"], params["seed"])
+        N_for_d = fit(pilot, planner["min_seen"]).samples_for(d, report["D"])
         ratio = report["N"] / N_for_d if N_for_d and report["adaptive_stop"] == "stable" else None  # a stop, not a cap
         plan = "-" if ratio is None else f"{N_for_d:.2g} ({ratio:.2f}x {'MET' if 0.5 <= ratio <= 2 else 'MISSED'})"
         paper = f"{report['d_hat_paper_raw']} ({report['d_hat_paper']})" if report["d_hat_paper_raw"] else report["paper_reason"]

@@ -5,12 +5,14 @@ README: planner."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 
 from nv.errors import NVError
 from nv.phase1.exactness import first
-from nv.phase1.planner import fit, miss_probability, summarise
+from nv.phase1.planner import check, fit, miss_probability, pilot_of, sample_budget, summarise
 from nv.phase1.sampling import collect, load_samples
 from synthetic import LowRankOracle
 
@@ -20,7 +22,7 @@ def toy(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planner")
     folder = collect(LowRankOracle(scale=0.5), [f"prompt {q}" for q in range(400)], 20_000, 2.0, 0, tmp / "s", 300, tmp / "ck",
                      {"m": "toy"}, 100, False)
-    return load_samples(folder)
+    return load_samples(folder), folder
 
 
 def strict_common(S) -> int:
@@ -35,35 +37,56 @@ def test_miss_probability_is_the_expected_chance_of_never_drawing_the_token():
         assert miss_probability(np.array([m]), np.array([s]), N)[0] == pytest.approx(np.mean((1 - np.exp(x)) ** N), abs=2e-3)
 
 
-def test_a_small_pilot_predicts_the_budget_of_the_full_attack(toy):
-    model = fit(first(toy, 40).subsample(500, 1))  # 0.25 % of the full sample's calls
+def test_a_small_pilot_predicts_the_budget_of_the_full_attack(toy, tmp_path, monkeypatch):
+    """A pilot of 0.25 % of the sample's calls predicts the N at which all 400 prompts share the measured common set
+    within a factor 2. The stage's pilot and checks come from the stored sample, thinned from disk (the same draws as
+    thinning in memory, the first prompts of a thinning the thinning of the first prompts), only observation masks
+    read, no scratch folder left."""
+    S, folder = toy
+    model = fit(first(S, 40).subsample(500, 1))  # 0.25 % of the full sample's calls
     assert model.D0 == 40 and model.N0 == 500 and model.m.size > 250
     for N in (10_000, 20_000):
-        measured = strict_common(toy.subsample(N, 0))
-        predicted_N = model.samples_for(measured, toy.D)
+        measured = strict_common(S.subsample(N, 0))
+        predicted_N = model.samples_for(measured, S.D)
         assert N / 2 < predicted_N < 2 * N, (N, measured, predicted_N)
-        assert model.expected_common(predicted_N, toy.D) == pytest.approx(measured, rel=1e-3)
+        assert model.expected_common(predicted_N, S.D) == pytest.approx(measured, rel=1e-3)
     assert model.expected_common(5_000, 4) > model.expected_common(5_000, 400)  # more prompts share fewer tokens
-    assert model.samples_for(301, toy.D) is None  # more than the vocabulary: unreachable
+    assert model.samples_for(301, S.D) is None  # more than the vocabulary: unreachable
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # thinned_folder's scratch folders go here
+    pilot = pilot_of(folder, 40, 500, 1)
+    by_hand = first(S, 40).subsample(500, 1)
+    assert (pilot.D, pilot.N) == (40, 500) and (pilot.counts != by_hand.counts).nnz == 0
+    assert (pilot.logprobs != by_hand.logprobs).nnz == 0
+    rows = check(model, folder, [10_000, 20_000, 10**6], 0)
+    assert [r["N"] for r in rows] == [10_000, 20_000]  # budgets above the sample's own N are left out
+    for r in rows:
+        assert r["measured_C"] == strict_common(S.subsample(r["N"], 0)) and r["D"] == S.D
+        assert r["predicted_C"] == model.expected_common(r["N"], S.D)
+    assert not any(scratch.iterdir())
+    assert sample_budget(folder) == S.budget()
 
 
 def test_a_pilot_too_small_to_fit_is_refused(toy):
+    S, _ = toy
     with pytest.raises(NVError, match="too small to fit the tail"):
-        fit(first(toy, 4))
+        fit(first(S, 4))
     with pytest.raises(NVError, match="raise the pilot's N"):
-        fit(first(toy, 40).subsample(1, 0), min_seen=20)
+        fit(first(S, 40).subsample(1, 0), min_seen=20)
 
 
 def test_the_summary_row_sets_each_stop_against_the_planned_N(toy):
     """``summarise`` (the planner stage's row per model): the pilot's share of the sample, the planned N for |C| >= d
     and tokens at the sample's rate, each measured stop over it; a stop that did not happen stays NaN."""
-    pilot = first(toy, 40).subsample(500, 1)
+    S, _ = toy
+    pilot = first(S, 40).subsample(500, 1)
     tail = fit(pilot)
-    row = summarise("toy", 100, toy, pilot, tail, stop_N=20_000, adaptive_stop_N=np.nan)
-    N_for_d = tail.samples_for(100, toy.D)
+    row = summarise("toy", 100, S.budget(), pilot, tail, stop_N=20_000, adaptive_stop_N=np.nan)
+    N_for_d = tail.samples_for(100, S.D)
     assert row["N_for_d"] == N_for_d and row["stop_over_N_for_d"] == 20_000 / N_for_d
-    assert row["tokens_for_d"] == pytest.approx(toy.tokens() / toy.N * N_for_d)
+    assert row["tokens_for_d"] == pytest.approx(S.tokens() / S.N * N_for_d)
     assert row["pilot_share"] == pytest.approx(40 * 500 / (400 * 20_000))
     assert np.isnan(row["adaptive_stop_over_N_for_d"])
-    unreachable = summarise("toy", 301, toy, pilot, tail, stop_N=20_000, adaptive_stop_N=20_000)  # > |V|
+    unreachable = summarise("toy", 301, S.budget(), pilot, tail, stop_N=20_000, adaptive_stop_N=20_000)  # > |V|
     assert np.isnan(unreachable["N_for_d"]) and np.isnan(unreachable["tokens_for_d"]) and np.isnan(unreachable["stop_over_N_for_d"])

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 from scipy import optimize
 
 from nv.errors import NVError
 from nv.phase1.exactness import first
-from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sampling import SampledMatrix, iter_shards, load_samples, observed_mask, thinned_folder
 
 M_GRID = np.linspace(-25.0, 0.0, 251)  # m_i: mean log-probability across prompts
 S_GRID = np.geomspace(0.05, 5.0, 41)  # s_i: its spread across prompts
@@ -104,38 +106,49 @@ def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
     return TokenModel(m[best], s[best], keep, pilot.D, pilot.N, int(np.count_nonzero((k > 0) & (k < min_seen))))
 
 
-def pilot_of(S: SampledMatrix, prompts: int, N: int, seed: int) -> SampledMatrix:
-    """The pilot inside a full sample: its first ``prompts`` prompts and the first N calls of each (what a pilot run
-    of that size would have drawn)."""
-    return first(S, min(prompts, S.D)).subsample(min(N, S.N), seed)
+def pilot_of(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
+    """The pilot inside the full sample stored in ``folder``: its first ``prompts`` prompts and the first N calls of
+    each (what a pilot run of that size would have drawn), thinned from disk (``thinned_folder``; rows are thinned in
+    order, so the first prompts of the thinning are the thinning of the first prompts)."""
+    with thinned_folder(folder, min(N, iter_shards(folder)[0]["N"]), seed) as at:
+        S = load_samples(at)
+    return first(S, min(prompts, S.D))
 
 
-def strict_common_size(S: SampledMatrix) -> int:
-    """|C| before pruning: tokens drawn under every prompt of S."""
-    return int(np.count_nonzero(np.bincount(S.counts.indices, minlength=S.counts.shape[1]) == S.D))  # no CSC copy
+def sample_budget(folder: str | Path) -> dict:
+    """``SampledMatrix.budget`` of the sample stored in ``folder`` (D, N, tau, §5 cost), its entries left unread."""
+    return load_samples(folder, np.zeros(iter_shards(folder)[0]["vocab_size"], dtype=bool)).budget()
 
 
-def check(model: TokenModel, S: SampledMatrix, budgets: list[int], seed: int) -> list[dict]:
-    """The prediction against the full sample S at each budget N (nested draws): measured and predicted |C| over all
-    D prompts, and the N the planner would have asked for to get the measured |C| (``N_ratio`` = that / N)."""
-    rows = []
-    for N in sorted(b for b in budgets if b <= S.N):
-        measured = strict_common_size(S.subsample(N, seed))
-        N_pred = model.samples_for(measured, S.D) if measured else None
-        rows.append({"N": N, "D": S.D, "measured_C": measured, "predicted_C": model.expected_common(N, S.D),
+def strict_common_size(mask: sp.csr_matrix) -> int:
+    """|C| before pruning: tokens drawn under every prompt of an observation mask (``observed_mask``)."""
+    return int(np.count_nonzero(np.bincount(mask.indices, minlength=mask.shape[1]) == mask.shape[0]))  # no CSC copy
+
+
+def check(model: TokenModel, folder: str | Path, budgets: list[int], seed: int) -> list[dict]:
+    """The prediction against the full sample stored in ``folder`` at each budget N (nested draws, each thinned from
+    disk and only its observation mask read): measured and predicted |C| over all D prompts, and the N the planner
+    would have asked for to get the measured |C| (``N_ratio`` = that / N)."""
+    meta, rows = iter_shards(folder)[0], []
+    for N in sorted(b for b in budgets if b <= meta["N"]):
+        with thinned_folder(folder, N, seed) as at:
+            measured = strict_common_size(observed_mask(at))
+        N_pred = model.samples_for(measured, meta["D"]) if measured else None
+        rows.append({"N": N, "D": meta["D"], "measured_C": measured, "predicted_C": model.expected_common(N, meta["D"]),
                      "N_predicted": N_pred, "N_ratio": None if N_pred is None else N_pred / N})
     return rows
 
 
-def summarise(model: str, d_true: int, S: SampledMatrix, pilot: SampledMatrix, tail: TokenModel, stop_N: float,
+def summarise(model: str, d_true: int, budget: dict, pilot: SampledMatrix, tail: TokenModel, stop_N: float,
               adaptive_stop_N: float) -> dict:
-    """One model's planner row: the pilot's size and share of the full sample, the N (and tokens) the planner asks for
-    |C| >= d, and the measured stops against it: ``stop_N`` (the budget sweep's first exact budget) and
-    ``adaptive_stop_N`` (where ``sampling.N: auto`` stops on the same draws: its own run, or its loop replayed on
-    them; NaN for either where there is none). ``d_true`` is the target only the evaluation knows."""
-    N_for_d = tail.samples_for(d_true, S.D) or np.nan
-    return {"model": model, "d_true": d_true, "D": S.D, "pilot_prompts": pilot.D, "pilot_N": pilot.N,
-            "pilot_tokens": pilot.tokens(), "pilot_share": pilot.tokens() / S.tokens(), "tokens_fitted": tail.m.size,
-            "tokens_left_out": tail.tokens_left_out, "N_for_d": N_for_d, "tokens_for_d": S.tokens() / S.N * N_for_d,
+    """One model's planner row: the pilot's size and share of the full sample (``budget``: its
+    ``SampledMatrix.budget``), the N (and tokens) the planner asks for |C| >= d, and the measured stops against it:
+    ``stop_N`` (the budget sweep's first exact budget) and ``adaptive_stop_N`` (where ``sampling.N: auto`` stops on
+    the same draws: its own run, or its loop replayed on them; NaN for either where there is none). ``d_true`` is the
+    target only the evaluation knows."""
+    N_for_d = tail.samples_for(d_true, budget["D"]) or np.nan
+    return {"model": model, "d_true": d_true, "D": budget["D"], "pilot_prompts": pilot.D, "pilot_N": pilot.N,
+            "pilot_tokens": pilot.tokens(), "pilot_share": pilot.tokens() / budget["tokens"], "tokens_fitted": tail.m.size,
+            "tokens_left_out": tail.tokens_left_out, "N_for_d": N_for_d, "tokens_for_d": budget["tokens"] / budget["N"] * N_for_d,
             "stop_N": stop_N, "adaptive_stop_N": adaptive_stop_N,
             "stop_over_N_for_d": stop_N / N_for_d, "adaptive_stop_over_N_for_d": adaptive_stop_N / N_for_d}
