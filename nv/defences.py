@@ -48,7 +48,7 @@ from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quan
 from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import SampledMatrix
+from nv.phase1.sampling import SampledMatrix, sample_budget
 from nv.phase1.spectrum import d_interval
 from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
@@ -161,16 +161,17 @@ def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: di
     return pd.DataFrame(rows)
 
 
-def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], sampling: dict,
-                    robust: dict, d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
+def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], sampling: dict, robust: dict,
+                    d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
     """Tokens to exactness under adaptive sampling (``sampling.N: auto``), per log-prob setting with the attack's
-    counter-measure, on the draws S stored in ``folder``: the round the loop stops at, its cost and estimate, or the
-    last round's lower bound. Undefended: the loop's own stop (``exactness.adaptive_stop``: its record, else its
-    replay). A setting whose cell at S.N in the sweep ``p1`` (``sweep_phase1``, with the counter-measure) is not
-    saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not);
-    the others are replayed on their defended draws (``exactness.adaptive_replays``, down from S.N). A truncated
-    round keeps its N_r calls' draws inside the served sets (N_r times the served mass, as ``sweep_phase1`` at S.N):
-    the attack pays for N_r calls and keeps fewer."""
+    counter-measure, on the draws stored in ``folder`` (N calls a prompt; never read whole here, each round thinned
+    from disk): the round the loop stops at, its cost and estimate, or the last round's lower bound. Undefended: the
+    loop's own stop (``exactness.adaptive_stop``: its record, else its replay). A setting whose cell at N in the sweep
+    ``p1`` (``sweep_phase1``, with the counter-measure) is not saturated cannot stop within the draws (the replay's
+    premise: fewer calls do not saturate what more did not); the others are replayed on their defended draws
+    (``exactness.adaptive_replays``, down from N). A truncated round keeps its N_r calls' draws inside the served sets
+    (N_r times the served mass, as ``sweep_phase1`` at N): the attack pays for N_r calls and keeps fewer."""
+    budget = sample_budget(folder)
     at_top = p1[p1.variant == "attack"].set_index(["knob", "setting"])
     views, rows = {}, {}
     for i, (knob, value) in enumerate(knobs):
@@ -179,18 +180,18 @@ def adaptive_phase1(S: SampledMatrix, folder, p1: pd.DataFrame, knobs: list[tupl
             rounds, why = adaptive_stop(folder, sampling, robust, seed)
             rows[key] = (rounds, why)
         elif knob in LOGPROB_KNOBS and pd.isna(at_top.loc[key, "robust_d_hat_raw"]):
-            rows[key] = ([{"N": S.N, "tokens": S.tokens(), "calls": S.calls(),
+            rows[key] = ([{"N": budget["N"], "tokens": budget["tokens"], "calls": budget["calls"],
                            "lower_bound": at_top.loc[key, "robust_lower_bound"]}], "stored draws")
         elif knob in LOGPROB_KNOBS:
             defence = Defence(**{knob: value})
-            served = served_sets(log_probs_T1, S.temperature, defence) if defence.truncates else None
+            served = served_sets(log_probs_T1, budget["temperature"], defence) if defence.truncates else None
             views[key], rows[key] = defended_common(defence, served, [seed, i]), None  # rows keep the params order
     for key, (rounds, why) in adaptive_replays(folder, sampling, robust, seed, views).items():
         rows[key] = ([asdict(r) for r in rounds], why)
     out = []
     for (knob, setting), (rounds, why) in rows.items():
         row = {"knob": knob, "setting": setting, "stop": why, "N": None, "tokens": None, "calls": None,
-               "d_hat_raw": None, "lower_bound": None, "outcome": f"no stop by N = {S.N:,}"}
+               "d_hat_raw": None, "lower_bound": None, "outcome": f"no stop by N = {budget['N']:,}"}
         if rounds:
             last = rounds[-1]
             row |= {"N": last["N"], "tokens": last["tokens"], "calls": last["calls"], "lower_bound": last["lower_bound"]}

@@ -153,7 +153,7 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     # tokens to exactness under adaptive sampling (N_0 = 2,500, doubling, capped at the stored 20,000): undefended the
     # loop stops exact below the stored N (replayed: these draws are of a fixed N); top-k 8 and noise 3.0 (averaged),
     # not saturated at 20,000 in the sweep, are not replayed; noise 2.0 and rounding to 1 decimal are
-    adaptive = adaptive_phase1(S, folder, p1, knobs, {"N0": 2_500, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 12, 0, T1)
+    adaptive = adaptive_phase1(folder, p1, knobs, {"N0": 2_500, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 12, 0, T1)
     a = adaptive.set_index(["knob", "setting"])
     none = a.loc[("none", "")]
     assert none.stop == "stable" and none.outcome == "exact" and none.d_hat_raw == 12 and none.N < S.N

@@ -12,8 +12,8 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.exactness import first
-from nv.phase1.planner import check, fit, miss_probability, pilot_of, sample_budget, summarise
-from nv.phase1.sampling import collect, load_samples
+from nv.phase1.planner import check, fit, miss_probability, pilot_of, summarise
+from nv.phase1.sampling import collect, load_samples, sample_budget
 from synthetic import LowRankOracle
 
 
@@ -39,9 +39,9 @@ def test_miss_probability_is_the_expected_chance_of_never_drawing_the_token():
 
 def test_a_small_pilot_predicts_the_budget_of_the_full_attack(toy, tmp_path, monkeypatch):
     """A pilot of 0.25 % of the sample's calls predicts the N at which all 400 prompts share the measured common set
-    within a factor 2. The stage's pilot and checks come from the stored sample, thinned from disk (the same draws as
-    thinning in memory, the first prompts of a thinning the thinning of the first prompts), only observation masks
-    read, no scratch folder left."""
+    within a factor 2. The stage's pilot and checks come from the stored sample: the pilot read from the shards holding
+    its prompts (``head``; the first prompts of a thinning are the thinning of the first prompts), the checks thinned
+    from disk, only their observation masks read (the same draws as thinning in memory), no scratch folder left."""
     S, folder = toy
     model = fit(first(S, 40).subsample(500, 1))  # 0.25 % of the full sample's calls
     assert model.D0 == 40 and model.N0 == 500 and model.m.size > 250

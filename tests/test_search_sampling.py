@@ -13,7 +13,7 @@ from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import collect, iter_shards, load_samples, observed_mask, thin
+from nv.phase1.sampling import collect, head, iter_shards, load_samples, observed_mask, thin
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -241,6 +241,31 @@ def test_streamed_mask_and_columns_match_the_full_matrix(lm32, tmp_path):
     assert whole.Y.shape[1] > 10 and np.array_equal(whole.Y, streamed.Y)
     of_folder, part = common_set_of(folder)
     assert np.array_equal(of_folder.Y, whole.Y) and part.counts.nnz < S.counts.nnz and part.budget() == S.budget()
+
+
+def test_head_is_the_first_prompts_of_the_thinning_read_from_their_shards_alone(lm32, tmp_path):
+    """``head`` (the planner's pilot): the first prompts of ``subsample``'s thinning, across a shard boundary and cut
+    inside a shard, read from the shards that hold them: a corrupt later shard does not stop it, as it does a whole
+    read, and is a one-line error where it is needed."""
+    prompts = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
+    kw = dict(N=3000, temperature=2.0, seed=0, vocab_size=49152, identity={}, chunk=2, progress=False)
+    folder = collect(Simulator(lm32), prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
+    S = load_samples(folder)
+    for N in (1000, 3000):  # at its own N: the sample itself, as subsample
+        whole = S.subsample(N, seed=1)
+        part = head(folder, 3, N, seed=1)
+        assert (part.D, part.N, part.temperature) == (3, N, 2.0) and np.array_equal(part.prompt_tokens, S.prompt_tokens[:3])
+        for m in ("counts", "logprobs"):
+            assert (getattr(part, m) != getattr(whole, m)[:3]).nnz == 0 and getattr(part, m).nnz > 0
+    (folder / "shard-0000004.npz").write_bytes(b"torn")
+    assert (head(folder, 4, 1000, seed=1).counts != S.subsample(1000, seed=1).counts[:4]).nnz == 0
+    for read in (load_samples, lambda f: head(f, 5, 1000, seed=1)):
+        with pytest.raises(NVError, match="shard-0000004.npz is missing or corrupt"):
+            read(folder)
+    with pytest.raises(NVError, match="sub-budget N must be in"):
+        head(folder, 3, 3001, seed=1)
+    with pytest.raises(NVError, match="at least 1, got 0"):
+        head(folder, 0, 1000, seed=1)
 
 
 def test_diverse_mode_draws_fresh_prompts_every_round(sim):

@@ -11,7 +11,6 @@ replayed on the nested draws (``adaptive_replay``): its stopping point without n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict
 from functools import partial
@@ -23,9 +22,9 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.errors import NVError
-from nv.phase1.adaptive import Round, after, assess, round_estimate, schedule
-from nv.phase1.pipeline import common_set, common_set_of, estimate_all
-from nv.phase1.sampling import MANIFEST, SampledMatrix, iter_shards, load_samples, thinned_folder
+from nv.phase1.adaptive import Round, after, assess, folder_estimate, round_estimate, schedule
+from nv.phase1.pipeline import common_set, estimate_all
+from nv.phase1.sampling import SampledMatrix, load_samples, manifest, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval
 
 OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
@@ -83,7 +82,7 @@ def grid(folder: str | Path, D_values: Iterable[int], N_values: Iterable[int], s
     ``sweep``: the budget sweep of these draws (``nv.phase1.sweep.budget_sweep``, the same spectrum and seed), whose
     rows are the cells of all D prompts at its budgets, the same thinning and estimators: read, not computed again
     (their tokens and calls checked)."""
-    meta = iter_shards(folder)[0]
+    meta = manifest(folder)
     D_values = sorted(v for v in D_values if v <= meta["D"])
     N_values = sorted(v for v in N_values if v <= meta["N"])
     known = {} if sweep is None or meta["D"] not in D_values else dict(iter(sweep.groupby("N", sort=False)))
@@ -188,7 +187,7 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     the loop's path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws"
     when its next round is beyond the stored N (the live loop would go on; no round at all when that N < N_0)."""
     N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]
-    N_all = iter_shards(folder)[0]["N"]
+    N_all = manifest(folder)["N"]
     plan = schedule(N0, min(N_max, N_all), growth) if N_all >= N0 else []
     down = {key: [] for key in views}  # the growth rounds assessed and whether each met the rule, top down
     path, ahead, why = {}, {}, {}
@@ -236,28 +235,28 @@ def _assess_at(folder: str | Path, N: int, views: dict[Hashable, Callable[[Sampl
     """``assess`` of every view at the first N calls of the draws in ``folder`` (as round ``rounds[key]``): the round
     thinned from disk (``thinned_folder``), its check thinned from that, so that no sample is held beside its thinning."""
     with thinned_folder(folder, N, seed) as at:
-        found, budget = _estimated(at, views, robust)
+        found, budget = _estimated(at, views, robust, seed)
         saturated = {key: views[key] for key, (est, _) in found.items() if est.saturated}
         checks = {}
 
         def check(key: Hashable, n: int) -> SpectrumEstimate:
             if n not in checks:
                 with thinned_folder(at, n, seed) as sub:
-                    checks[n] = _estimated(sub, saturated, robust)[0]
+                    checks[n] = _estimated(sub, saturated, robust, seed)[0]
             return checks[n][key][0]
 
         return {key: assess(rounds[key], *found[key], budget, partial(check, key)) for key in views}
 
 
-def _estimated(folder: Path, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None], robust: dict
-               ) -> tuple[dict[Hashable, tuple[SpectrumEstimate, tuple[int, int]]], dict]:
-    """``round_estimate`` of each view of the draws in ``folder``, and their cost: the view None reads the common set's
-    columns only (``common_set_of``), the others share the whole sample, read once."""
+def _estimated(folder: Path, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None], robust: dict,
+               seed: int) -> tuple[dict[Hashable, tuple[SpectrumEstimate, tuple[int, int]]], dict]:
+    """``round_estimate`` of each view of the draws in ``folder``, and their cost: the view None is the live loop's
+    own round (``folder_estimate``: the common set's columns only), the others share the whole sample, read once."""
     found, whole, read = {}, None, None
     for key, view in views.items():
         if view is None:
-            common, read = common_set_of(folder)
-            found[key] = round_estimate(common.Y, robust)
+            est, shape, read = folder_estimate(folder, robust, None, seed)
+            found[key] = est, shape
         else:
             if whole is None:
                 whole = read = load_samples(folder)
@@ -273,7 +272,7 @@ def adaptive_replay(folder: str | Path, sampling: dict, robust: dict, seed: int)
 def adaptive_stop(folder: str | Path, sampling: dict, robust: dict, seed: int) -> tuple[list[dict], str]:
     """Where ``sampling.N: auto`` stops on the draws in ``folder``: the rounds and stop its manifest records when the
     loop itself sampled them (the sampling stage at N: auto, same params), else ``adaptive_replay``."""
-    meta = json.loads((Path(folder) / MANIFEST).read_text())
+    meta = manifest(folder)
     if "adaptive" in meta:
         return meta["adaptive"], meta["stop"]
     rounds, why = adaptive_replay(folder, sampling, robust, seed)

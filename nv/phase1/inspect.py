@@ -11,7 +11,6 @@ budget N <= N_max (the first N calls of every prompt, then greedy pruning, as th
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 from nv.errors import NVError
 from nv.phase1.pipeline import common_set
 from nv.plots.phase1 import spectrum_panels
-from nv.phase1.sampling import MANIFEST, load_samples
+from nv.phase1.sampling import load_samples, manifest
 from nv.phase1.spectrum import (
     SpectrumEstimate,
     centred_singular_values,
@@ -98,10 +97,7 @@ class Source:
         """Samples per prompt N_max of the sampling folder (from its manifest), None without one."""
         if self.samples_dir is None:
             return None
-        try:
-            return int(json.loads((self.samples_dir / MANIFEST).read_text())["N"])
-        except (OSError, ValueError, KeyError):
-            raise NVError(f"no sampling manifest in {self.samples_dir}: run the sampling stage first") from None
+        return manifest(self.samples_dir)["N"]
 
     def spectra(self, budget: int | str = STORED) -> Spectra:
         if budget not in self._cache:

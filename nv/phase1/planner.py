@@ -28,8 +28,7 @@ import scipy.sparse as sp
 from scipy import optimize
 
 from nv.errors import NVError
-from nv.phase1.exactness import first
-from nv.phase1.sampling import SampledMatrix, iter_shards, load_samples, observed_mask, thinned_folder
+from nv.phase1.sampling import SampledMatrix, head, manifest, observed_mask, thinned_folder
 
 M_GRID = np.linspace(-25.0, 0.0, 251)  # m_i: mean log-probability across prompts
 S_GRID = np.geomspace(0.05, 5.0, 41)  # s_i: its spread across prompts
@@ -108,16 +107,8 @@ def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
 
 def pilot_of(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
     """The pilot inside the full sample stored in ``folder``: its first ``prompts`` prompts and the first N calls of
-    each (what a pilot run of that size would have drawn), thinned from disk (``thinned_folder``; rows are thinned in
-    order, so the first prompts of the thinning are the thinning of the first prompts)."""
-    with thinned_folder(folder, min(N, iter_shards(folder)[0]["N"]), seed) as at:
-        S = load_samples(at)
-    return first(S, min(prompts, S.D))
-
-
-def sample_budget(folder: str | Path) -> dict:
-    """``SampledMatrix.budget`` of the sample stored in ``folder`` (D, N, tau, §5 cost), its entries left unread."""
-    return load_samples(folder, np.zeros(iter_shards(folder)[0]["vocab_size"], dtype=bool)).budget()
+    each (what a pilot run of that size would have drawn), read from the shards holding them alone (``head``)."""
+    return head(folder, prompts, min(N, manifest(folder)["N"]), seed)
 
 
 def strict_common_size(mask: sp.csr_matrix) -> int:
@@ -129,7 +120,7 @@ def check(model: TokenModel, folder: str | Path, budgets: list[int], seed: int) 
     """The prediction against the full sample stored in ``folder`` at each budget N (nested draws, each thinned from
     disk and only its observation mask read): measured and predicted |C| over all D prompts, and the N the planner
     would have asked for to get the measured |C| (``N_ratio`` = that / N)."""
-    meta, rows = iter_shards(folder)[0], []
+    meta, rows = manifest(folder), []
     for N in sorted(b for b in budgets if b <= meta["N"]):
         with thinned_folder(folder, N, seed) as at:
             measured = strict_common_size(observed_mask(at))

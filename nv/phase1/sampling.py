@@ -249,9 +249,9 @@ def write_samples(folder: str | Path, meta: dict, blocks: Iterator[tuple[sp.csr_
     return place(partial, folder)
 
 
-def _shards(folder: Path, columns: np.ndarray | None = None) -> tuple[dict, list[Path], int]:
-    """The manifest, the checked shard paths of a sampling folder and their entries in all (those of ``columns`` only,
-    where given)."""
+def manifest(folder: str | Path) -> dict:
+    """The checked manifest of a sampling folder (D, N, tau, chunk, |V|; its shards are checked where they are read)."""
+    folder = Path(folder)
     try:
         meta = json.loads((folder / MANIFEST).read_text())
     except OSError:
@@ -262,8 +262,15 @@ def _shards(folder: Path, columns: np.ndarray | None = None) -> tuple[dict, list
             and isinstance(meta.get("temperature"), (int, float)) and meta["temperature"] > 0):
         raise NVError(f"sampling manifest {folder / MANIFEST} is corrupt (it needs {', '.join(MANIFEST_INTS)} >= 1 and a "
                       "temperature > 0): rerun the sampling stage")
+    return meta
+
+
+def _shards(folder: Path, columns: np.ndarray | None = None, prompts: int | None = None) -> tuple[dict, list[Path], int]:
+    """The manifest, the checked shard paths of a sampling folder and their entries in all (those of ``columns`` only,
+    where given); with ``prompts``, only the shards holding the first ``prompts`` rows."""
+    meta = manifest(folder)
     paths, nnz = [], 0
-    for s in range(0, meta["D"], meta["chunk"]):
+    for s in range(0, meta["D"] if prompts is None else min(prompts, meta["D"]), meta["chunk"]):
         path = folder / f"shard-{s:07d}.npz"
         entries = _shard_entries(path, min(meta["chunk"], meta["D"] - s), meta["vocab_size"], columns)
         if entries is None:
@@ -334,14 +341,7 @@ def iter_shards(folder: str | Path, chunk: int | None = None
     meta, paths, _ = _shards(Path(folder))
 
     def shards() -> Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
-        for path in paths:
-            with _reading(path) as z:
-                indices, indptr = z["indices"], z["indptr"]
-                shape = (len(indptr) - 1, meta["vocab_size"])
-                counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
-                logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
-                prompt_tokens = z["prompt_tokens"]
-            yield counts, logprobs, prompt_tokens
+        return (_shard(path, meta["vocab_size"]) for path in paths)
 
     def blocks() -> Iterator[tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]]:
         own, held, read = shards(), [], 0  # shards read that reach past the rows given: (first row, its three arrays)
@@ -356,6 +356,35 @@ def iter_shards(folder: str | Path, chunk: int | None = None
             held = [h for h in held if h[0] + h[1].shape[0] > stop]
 
     return meta, shards() if chunk is None or chunk == meta["chunk"] else blocks()
+
+
+def _shard(path: Path, vocab_size: int) -> tuple[sp.csr_matrix, sp.csr_matrix, np.ndarray]:
+    """The (counts, log-probs, prompt tokens) of one checked shard's rows (``_shards``)."""
+    with _reading(path) as z:
+        indices, indptr = z["indices"], z["indptr"]
+        shape = (len(indptr) - 1, vocab_size)
+        counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
+        logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
+        return counts, logprobs, z["prompt_tokens"]
+
+
+def head(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
+    """The first ``prompts`` rows of ``load_samples(folder).subsample(N, seed)``, read from the shards holding them
+    alone: rows are thinned in order, so the thinning of the first prompts is the first prompts of the thinning."""
+    if prompts < 1:
+        raise NVError(f"the first prompts of a sample must be at least 1, got {prompts}")
+    meta, paths, _ = _shards(Path(folder), prompts=prompts)
+    if not 1 <= N <= meta["N"]:
+        raise NVError(f"sub-budget N must be in [1, {meta['N']}], got {N}")
+    rng, parts, left = np.random.default_rng(seed), [], min(prompts, meta["D"])
+    for path in paths:
+        counts, logprobs, prompt_tokens = (x[:left] for x in _shard(path, meta["vocab_size"]))
+        if N < meta["N"]:  # as ``subsample``: its own N is the sample itself, no draw
+            counts, logprobs = _thinned(counts, logprobs, N, rng)
+        parts.append((counts, logprobs, prompt_tokens))
+        left -= counts.shape[0]
+    return SampledMatrix(sp.vstack([p[1] for p in parts], format="csr"), sp.vstack([p[0] for p in parts], format="csr"),
+                         np.concatenate([p[2] for p in parts]), N, meta["temperature"])
 
 
 def thin(folder: str | Path, out: str | Path, N: int, seed: int) -> Path:
@@ -374,7 +403,7 @@ def thinned_folder(folder: str | Path, N: int, seed: int) -> Iterator[Path]:
     """The draws of ``folder`` thinned to N calls a prompt, as a folder (``load_samples`` of it is
     ``load_samples(folder).subsample(N, seed)``): a scratch folder written by ``thin`` and removed on exit, or
     ``folder`` itself at its own N. Nested budgets read this way never hold the whole sample beside its thinning."""
-    if N == iter_shards(folder)[0]["N"]:
+    if N == manifest(folder)["N"]:
         yield Path(folder)
         return
     scratch = Path(tempfile.mkdtemp(prefix=f"nv-thin-N{N}-"))
@@ -392,3 +421,8 @@ def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> Sampl
     logprobs = sp.csr_matrix((a["logprobs"], a["indices"], a["indptr"]), shape=shape)
     counts = sp.csr_matrix((a["counts"], a["indices"], a["indptr"]), shape=shape)
     return SampledMatrix(logprobs, counts, a["prompt_tokens"], meta["N"], meta["temperature"])
+
+
+def sample_budget(folder: str | Path) -> dict:
+    """``SampledMatrix.budget`` of the sample stored in ``folder`` (D, N, tau, §5 cost), its entries left unread."""
+    return load_samples(folder, np.zeros(manifest(folder)["vocab_size"], dtype=bool)).budget()

@@ -17,7 +17,7 @@ import pandas as pd
 
 from nv.errors import NVError
 from nv.phase1.pipeline import common_set_of, estimate_all
-from nv.phase1.sampling import iter_shards, thinned_folder
+from nv.phase1.sampling import manifest, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval, snap
 
 
@@ -27,7 +27,7 @@ def budget_sweep(folder: str | Path, budgets: list[int], spectrum: dict, seed: i
     time; also the estimates at the smallest budget (for its figure). Budgets above the sample's own N (an adaptive
     run that stopped early) are left out, as in the exactness grid. ``d_true`` (white-box knowledge) is used for
     ``rel_error`` and ``covered`` only."""
-    N_all = iter_shards(folder)[0]["N"]
+    N_all = manifest(folder)["N"]
     kept = sorted(N for N in budgets if N <= N_all)
     if not kept:
         raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {N_all:,}: lower sweep.budgets")
