@@ -164,13 +164,14 @@ def sweep_phase1(S: SampledMatrix, knobs: list[tuple[str, object]], spectrum: di
 def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], sampling: dict, robust: dict,
                     d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
     """Tokens to exactness under adaptive sampling (``sampling.N: auto``), per log-prob setting with the attack's
-    counter-measure, on the draws stored in ``folder`` (N calls a prompt; never read whole here, each round thinned
-    from disk): the round the loop stops at, its cost and estimate, or the last round's lower bound. Undefended: the
-    loop's own stop (``exactness.adaptive_stop``: its record, else its replay). A setting whose cell at N in the sweep
-    ``p1`` (``sweep_phase1``, with the counter-measure) is not saturated cannot stop within the draws (the replay's
-    premise: fewer calls do not saturate what more did not); the others are replayed on their defended draws
-    (``exactness.adaptive_replays``, down from N). A truncated round keeps its N_r calls' draws inside the served sets
-    (N_r times the served mass, as ``sweep_phase1`` at N): the attack pays for N_r calls and keeps fewer."""
+    counter-measure, on the draws stored in ``folder`` (N calls a prompt; never held beside a round: each round
+    thinned from disk, the top one the stored sample itself): the round the loop stops at, its cost and estimate, or
+    the last round's lower bound. Undefended: the loop's own stop (``exactness.adaptive_stop``: its record, else its
+    replay). A setting whose cell at N in the sweep ``p1`` (``sweep_phase1``, with the counter-measure) is not
+    saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not); the
+    others are replayed on their defended draws (``exactness.adaptive_replays``, down from N). A truncated round keeps
+    its N_r calls' draws inside the served sets (N_r times the served mass, as ``sweep_phase1`` at N): the attack
+    pays for N_r calls and keeps fewer."""
     budget = sample_budget(folder)
     at_top = p1[p1.variant == "attack"].set_index(["knob", "setting"])
     views, rows = {}, {}

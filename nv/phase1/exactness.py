@@ -250,7 +250,7 @@ def _assess_at(folder: str | Path, N: int, views: dict[Hashable, Callable[[Sampl
 
 def _estimated(folder: Path, views: dict[Hashable, Callable[[SampledMatrix], np.ndarray] | None], robust: dict,
                seed: int) -> tuple[dict[Hashable, tuple[SpectrumEstimate, tuple[int, int]]], dict]:
-    """``round_estimate`` of each view of the draws in ``folder``, and their cost: the view None is the live loop's
+    """``round_estimate`` of each view of the draws in ``folder``, and their cost: the view None is the robust loop's
     own round (``folder_estimate``: the common set's columns only), the others share the whole sample, read once."""
     found, whole, read = {}, None, None
     for key, view in views.items():
