@@ -17,6 +17,7 @@ import pytest
 
 from nv.errors import NVError
 from nv.phase1.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
+from nv.phase1 import pipeline
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import paper as paper_detector
@@ -76,10 +77,20 @@ def test_paper_hyperparameters_move_the_paper_estimate():
     assert robust_detector(Y, **ROBUST).lower_bound == recompute(spectra, PAPER, ROBUST)["robust"].lower_bound
 
 
-def test_source_budgets_are_the_sweeps_common_sets_and_cached(stored):
+def test_source_budgets_are_the_sweeps_common_sets_and_cached(stored, monkeypatch):
+    """A budget is the common set of the first N calls of every prompt (the same draws as thinning in memory), thinned
+    from disk and only the common set's columns read: the whole sample is never loaded."""
+    reads = []
+
+    def spy(folder, columns=None):
+        reads.append(columns is not None and not columns.all())
+        return load_samples(folder, columns)
+
+    monkeypatch.setattr(pipeline, "load_samples", spy)
     src = Source(stored / "outputs" / "pruning" / "common_set.npz", samples=stored / "outputs" / "sampling" / "samples")
     assert src.n_max == N and src.spectra(STORED).shape == src.spectra(N).shape
     small = src.spectra(2000)
+    assert len(reads) == 2 and all(reads)  # one read a budget, of some columns only
     Y = common_set(load_samples(stored / "outputs" / "sampling" / "samples").subsample(2000, 0)).Y
     assert small.shape == Y.shape and small.shape[1] < src.spectra(STORED).shape[1]
     np.testing.assert_allclose(small.lam, spectra_from_matrix(Y, "direct").lam)

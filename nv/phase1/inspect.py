@@ -18,9 +18,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from nv.errors import NVError
-from nv.phase1.pipeline import common_set
+from nv.phase1.pipeline import common_set_of
 from nv.plots.phase1 import spectrum_panels
-from nv.phase1.sampling import load_samples, manifest
+from nv.phase1.sampling import manifest, thinned_folder
 from nv.phase1.spectrum import (
     SpectrumEstimate,
     centred_singular_values,
@@ -83,13 +83,13 @@ def recompute(spectra: Spectra, paper: dict, robust: dict) -> dict[str, Spectrum
 
 class Source:
     """The spectra to inspect: a stored file (budget ``STORED``) and, when ``samples`` is a sampling
-    folder, every budget N <= N_max of it, each computed once and cached (the folder is read on the
-    first budget asked for: it is ~1 GB on the default profile)."""
+    folder, every budget N <= N_max of it, each computed once and cached (thinned from disk,
+    ``thinned_folder``, and only its common set's columns read, ``common_set_of``: the whole sample,
+    ~1.5 GB on the default profile, is never held)."""
 
     def __init__(self, path: str | Path, key: str = "Y", samples: str | Path | None = None, seed: int = 0):
         self.path, self.key, self.seed = Path(path), key, seed
         self.samples_dir = Path(samples) if samples else None
-        self._samples = None
         self._cache: dict = {}
 
     @property
@@ -109,8 +109,8 @@ class Source:
             return load_spectra(self.path, self.key)
         if self.samples_dir is None:
             raise NVError(f"budget N = {budget} needs a sampling folder (samples=...)")
-        self._samples = self._samples or load_samples(self.samples_dir)
-        Y = common_set(self._samples.subsample(int(budget), self.seed)).Y
+        with thinned_folder(self.samples_dir, int(budget), self.seed) as at:
+            Y = common_set_of(at)[0].Y
         return spectra_from_matrix(Y, f"N = {int(budget):,} samples per prompt")
 
 
