@@ -1,7 +1,8 @@
 """Peak memory of the phase-1 operations on a large stored sample (issue 13's 12 GB bound; the 1.5B's 3,000 x 10^6
 draws hold 3.9·10^8 entries, 4.65 GB): reading it back from its shards (``observed_mask``, ``load_samples`` whole
 and of the common set's columns), thinning (``SampledMatrix.subsample``), the common set (Alg. 1 lines 5-7),
-the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``), and one round of the adaptive
+the adaptive loop replayed on stored draws (``nv.phase1.exactness.adaptive_replay``), the interactive
+inspector's budget (``nv.phase1.inspect.Source.spectra``), and one round of the adaptive
 loop on disk (``nv.phase1.adaptive``: two rounds' folders merged, the common set from the mask, the check thinned to a
 folder).
 
@@ -14,10 +15,11 @@ beside it); reading the sample back at <= 1.1 x the sample (arrays filled in pla
 concatenated), its observation mask at <= 0.5 x (5 bytes per entry of the 12); the common set at <= 0.3 x the sample (no copy of Y_hat's rows); the replay at <= 0.8 x the sample
 (each round and its check thinned from the shards on disk, of each only the observation mask and the common set's
 columns read; thinning in memory held the sample and a round's draws, ~1.2 x, and a round's draws beside its check,
-as before issue 13's change, two); the round on disk at <= 0.8 x (the merged sample's observation mask, 5 of its 12 bytes an entry, and the
+as before issue 13's change, two), the inspector's budget likewise at <= 0.8 x (it thinned the sample read whole in memory until dfbf0de); the round on disk at <= 0.8 x (the merged sample's observation mask, 5 of its 12 bytes an entry, and the
 pruning's bitmap; a round held the sample and the union of its merge, ~2 x, while the merged sample was in memory). Each bound is printed MET or MISSED (machines are noisy); a wrong result (a sample read back other
 than it was written, thinned rows not summing to N, a replay that does
-not find rank R, a merge other than the sample split into its two rounds) exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
+not find rank R, a merge other than the sample split into its two rounds, an inspector's common set other than
+the thinned sample's) exits with status 1. Run: python benchmarks/bench_sample_memory.py [--D 3000] [--N 100000] [--work DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import scipy.sparse as sp
 from nv.models.loading import release_memory
 from nv.phase1.adaptive import merge
 from nv.phase1.exactness import adaptive_replay
+from nv.phase1.inspect import Source
 from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.sampling import SampledMatrix, load_samples, observed_mask, save_samples, thin
 
@@ -172,6 +175,12 @@ def main() -> int:
         bound("peak / sample", peak / S_gib, 0.8)
         if not rounds or rounds[-1].d_hat_raw is None or abs(rounds[-1].d_hat_raw - RANK) > 3:
             wrong.append(f"the replay's last round does not find rank {RANK}: {rounds[-1].line() if rounds else 'no round'}")
+        inspected, _, peak = step("spectrum inspector at N / 2 from disk (Source.spectra)",
+                                  Source(Path(tmp) / "unused.npz", samples=folder).spectra, args.N // 2)
+        print(f"  common set {inspected.shape[0]} x {inspected.shape[1]}")
+        bound("peak / sample", peak / S_gib, 0.8)
+        if inspected.shape != common_set(S.subsample(args.N // 2, 0)).Y.shape:
+            wrong.append("the inspector's budget differs from the common set of the sample thinned in memory")
 
     half, _, peak = step("thin to N / 2 (subsample)", S.subsample, args.N // 2, 0)
     bound("peak / thinned sample", peak / size(half), 1.15)
