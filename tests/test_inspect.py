@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from nv.errors import NVError
-from nv.phase1.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
 from nv.phase1 import pipeline
+from nv.phase1.inspect import STORED, Source, load_spectra, recompute, spectra_from_matrix, summary
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.sampling import collect, load_samples
 from nv.phase1.spectrum import paper as paper_detector
