@@ -13,7 +13,7 @@ from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import collect, head, iter_shards, load_samples, observed_mask, thin
+from nv.phase1.sampling import collect, head, iter_shards, load_samples, observed_mask, sample_budget, thin
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -131,6 +131,11 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
     (out / "shard-0000002.npz").write_bytes(b"torn")
     with pytest.raises(NVError, match="shard-0000002.npz is missing or corrupt: rerun the sampling stage"):
         load_samples(out)
+    with pytest.raises(NVError, match=r"shard-0000002.npz is corrupt \(.*\): delete it and sample again"):
+        sample_budget(out)
+    (out / "shard-0000002.npz").unlink()
+    with pytest.raises(NVError, match="shard-0000002.npz is missing: rerun the sampling stage"):
+        sample_budget(out)
     with pytest.raises(NVError, match="no sampling manifest"):
         load_samples(tmp_path / "nothing")
     # a manifest or shard that is whole but wrong: one line, not a KeyError, a TypeError or (token ids past the
@@ -159,9 +164,13 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
         for read in (load_samples, lambda f: list(iter_shards(f)[1])):
             with pytest.raises(NVError, match=message):
                 read(fresh)
+    np.savez(shard, **(arrays | {"prompt_tokens": arrays["prompt_tokens"][:1]}))
+    with pytest.raises(NVError, match=r"shard-0000002.npz is corrupt \(its prompt tokens\): rerun the sampling stage"):
+        sample_budget(fresh)
     shard.write_bytes(_damage_logprobs(good))
     with pytest.raises(NVError, match=r"shard-0000002.npz is corrupt \(Bad CRC-32"):
         load_samples(fresh)
+    assert sample_budget(fresh) == b.budget()  # the budget reads no entry: a damaged log-prob member is not its concern
     shard.write_bytes(good)
     assert np.array_equal(load_samples(fresh).logprobs.data, b.logprobs.data)
 

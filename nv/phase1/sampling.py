@@ -424,5 +424,18 @@ def load_samples(folder: str | Path, columns: np.ndarray | None = None) -> Sampl
 
 
 def sample_budget(folder: str | Path) -> dict:
-    """``SampledMatrix.budget`` of the sample stored in ``folder`` (D, N, tau, §5 cost), its entries left unread."""
-    return load_samples(folder, np.zeros(manifest(folder)["vocab_size"], dtype=bool)).budget()
+    """``SampledMatrix.budget`` of the sample stored in ``folder`` (D, N, tau, §5 cost): the manifest and each shard's
+    prompt tokens alone are read, its entries left unread."""
+    folder = Path(folder)
+    meta, parts = manifest(folder), []
+    for s in range(0, meta["D"], meta["chunk"]):
+        path = folder / f"shard-{s:07d}.npz"
+        if not path.is_file():
+            raise NVError(f"sampling shard {path} is missing: rerun the sampling stage")
+        with _reading(path) as z:
+            prompt_tokens = z["prompt_tokens"] if "prompt_tokens" in z.files else None
+        if prompt_tokens is None or prompt_tokens.shape != (min(meta["chunk"], meta["D"] - s),):
+            raise NVError(f"sampling shard {path} is corrupt (its prompt tokens): rerun the sampling stage")
+        parts.append(prompt_tokens)
+    empty = sp.csr_matrix((meta["D"], meta["vocab_size"]), dtype=np.float32)
+    return SampledMatrix(empty, empty, np.concatenate(parts), meta["N"], meta["temperature"]).budget()
