@@ -224,6 +224,35 @@ def test_leave_one_out_recovers_depth_on_both_platforms():
     assert "two reference models" in lone["note"] and "L_hat" not in lone  # reported, not fatal
 
 
+def test_timings_that_do_not_grow_are_reported_and_drawn_not_fatal(tmp_path):
+    """A second platform whose references' times fall with ell^2 d (a machine busy enough to swamp a short sweep: a CI
+    run of the tiny pipeline beside another job hit it) has no transfer factor: every model's row there says why, the
+    same platform's rows still have a depth, and every figure of the timing fit is drawn, the cross-platform one
+    saying there is no k."""
+    import matplotlib.pyplot as plt
+
+    from nv.plots import phase2 as plots_timing
+    from nv.plots import save
+
+    rng = np.random.default_rng(0)
+    family = [(f"r{i}", L, d) for i, (L, d) in enumerate([(12, 384), (24, 384), (16, 512), (32, 512)])]
+    records = {platform: [_record(name, "reference", L, d, d, beta, alpha, platform, rng) for name, L, d in family]
+                         + [_record("g", "target", 30, 576, 576, beta, alpha, platform, rng)]
+               for platform, beta, alpha in (("inprocess", 2e-12, 0.01), ("llamacpp", -2e-12, 10.0))}
+    table = evaluate(records, TIMING)
+    cross, same = table[table.platform == "llamacpp"], table[table.platform == "inprocess"]
+    assert cross.note.str.contains("gamma fits must be positive").all() and cross.L_hat.isna().all()
+    assert (same.note == "").all() and same.L_hat.notna().all()
+    for name, figure in (("scaling", plots_timing.scaling(records, TIMING["discard"])),
+                         ("measured", plots_timing.measured_vs_predicted(records, table)),
+                         ("errors", plots_timing.errors(table)),
+                         ("cross", plots_timing.cross_platform(records, TIMING["discard"]))):
+        save(figure, tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+    assert figure.texts[0].get_text().startswith("No cross-platform calibration: k = gamma_llamacpp / gamma_inprocess")
+    plt.close("all")
+
+
 def test_real_timing_through_a_llamacpp_server(lm32):
     """Both timed models of a cross-platform run on the real llama.cpp server (HTTP, 127.0.0.1):
     the embedded GGUF target and a random-weight reference written as GGUF on the fly."""
