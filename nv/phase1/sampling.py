@@ -265,14 +265,20 @@ def manifest(folder: str | Path) -> dict:
     return meta
 
 
+def _layout(folder: Path, meta: dict, prompts: int | None = None) -> Iterator[tuple[Path, int]]:
+    """(path, rows) of each shard of a sampling folder, in order; with ``prompts``, of those holding the first
+    ``prompts`` rows only."""
+    for s in range(0, meta["D"] if prompts is None else min(prompts, meta["D"]), meta["chunk"]):
+        yield folder / f"shard-{s:07d}.npz", min(meta["chunk"], meta["D"] - s)
+
+
 def _shards(folder: Path, columns: np.ndarray | None = None, prompts: int | None = None) -> tuple[dict, list[Path], int]:
     """The manifest, the checked shard paths of a sampling folder and their entries in all (those of ``columns`` only,
     where given); with ``prompts``, only the shards holding the first ``prompts`` rows."""
     meta = manifest(folder)
     paths, nnz = [], 0
-    for s in range(0, meta["D"] if prompts is None else min(prompts, meta["D"]), meta["chunk"]):
-        path = folder / f"shard-{s:07d}.npz"
-        entries = _shard_entries(path, min(meta["chunk"], meta["D"] - s), meta["vocab_size"], columns)
+    for path, rows in _layout(folder, meta, prompts):
+        entries = _shard_entries(path, rows, meta["vocab_size"], columns)
         if entries is None:
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
         paths.append(path)
@@ -428,13 +434,12 @@ def sample_budget(folder: str | Path) -> dict:
     prompt tokens alone are read, its entries left unread."""
     folder = Path(folder)
     meta, parts = manifest(folder), []
-    for s in range(0, meta["D"], meta["chunk"]):
-        path = folder / f"shard-{s:07d}.npz"
+    for path, rows in _layout(folder, meta):
         if not path.is_file():
             raise NVError(f"sampling shard {path} is missing: rerun the sampling stage")
         with _reading(path) as z:
             prompt_tokens = z["prompt_tokens"] if "prompt_tokens" in z.files else None
-        if prompt_tokens is None or prompt_tokens.shape != (min(meta["chunk"], meta["D"] - s),):
+        if prompt_tokens is None or prompt_tokens.shape != (rows,):
             raise NVError(f"sampling shard {path} is corrupt (its prompt tokens): rerun the sampling stage")
         parts.append(prompt_tokens)
     empty = sp.csr_matrix((meta["D"], meta["vocab_size"]), dtype=np.float32)
