@@ -182,23 +182,20 @@ def collect(
     work = Path(checkpoint_root) / f"sampling-{_key(meta)}"
     work.mkdir(parents=True, exist_ok=True)
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    starts = range(0, len(prompts), chunk)
-    todo = [s for s in starts
-            if _shard_entries(work / f"shard-{s:07d}.npz", len(prompts[s : s + chunk]), vocab_size, values=True) is None]
+    todo = [(s, path, n) for s, path, n in _layout(work, meta) if _shard_entries(path, n, vocab_size, values=True) is None]
     if todo:
-        rows = [q for s in todo for q in range(s, min(s + chunk, len(prompts)))]
+        rows = [q for s, _, n in todo for q in range(s, s + n)]
         refusal = oracle.refuses([prompts[q] for q in rows], N, temperature, [(seed, q) for q in rows],
                                  None if prompt_tokens is None else prompt_tokens[rows])
         if refusal is not None:
             raise BudgetExhausted(f"budget reached before sampling {N:,} calls per prompt: {refusal}; nothing of it was "
                                   "sent: raise the budget and rerun the same command to resume")
-    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(prompts[s : s + chunk]) for s in todo),
+    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(n for _, _, n in todo),
                desc=desc or f"sampling N={N:,}", unit="prompt", disable=not progress)
-    for s in todo:
-        batch = prompts[s : s + chunk]
-        samples = oracle.sample(batch, N, temperature, seeds=[(seed, q) for q in range(s, s + len(batch))])
-        _save_shard(work / f"shard-{s:07d}.npz", samples, vocab_size)
-        bar.update(len(batch))
+    for s, path, n in todo:
+        samples = oracle.sample(prompts[s : s + n], N, temperature, seeds=[(seed, q) for q in range(s, s + n)])
+        _save_shard(path, samples, vocab_size)
+        bar.update(n)
     bar.close()
     return place(work, Path(out_dir))
 
@@ -237,7 +234,7 @@ def write_samples(folder: str | Path, meta: dict, blocks: Iterator[tuple[sp.csr_
             if counts.shape[0] != rows or not (np.array_equal(counts.indptr, logprobs.indptr)
                                                and np.array_equal(counts.indices, logprobs.indices)):
                 raise NVError(f"a sample's block at row {start} is not {rows} rows of one pattern of counts and log-probs")
-            _save_rows(partial / f"shard-{start:07d}.npz", counts.indptr - counts.indptr[0], counts.indices, logprobs.data,
+            _save_rows(_shard_path(partial, start), counts.indptr - counts.indptr[0], counts.indices, logprobs.data,
                        counts.data, prompt_tokens, meta["vocab_size"])
             start += rows
         if start != meta["D"]:
@@ -265,11 +262,16 @@ def manifest(folder: str | Path) -> dict:
     return meta
 
 
-def _layout(folder: Path, meta: dict, prompts: int | None = None) -> Iterator[tuple[Path, int]]:
-    """(path, rows) of each shard of a sampling folder, in order; with ``prompts``, of those holding the first
-    ``prompts`` rows only."""
+def _shard_path(folder: Path, start: int) -> Path:
+    """The shard of a sampling folder whose first row is ``start``."""
+    return folder / f"shard-{start:07d}.npz"
+
+
+def _layout(folder: Path, meta: dict, prompts: int | None = None) -> Iterator[tuple[int, Path, int]]:
+    """(first row, path, rows) of each shard of a sampling folder, in order; with ``prompts``, of those holding the
+    first ``prompts`` rows only."""
     for s in range(0, meta["D"] if prompts is None else min(prompts, meta["D"]), meta["chunk"]):
-        yield folder / f"shard-{s:07d}.npz", min(meta["chunk"], meta["D"] - s)
+        yield s, _shard_path(folder, s), min(meta["chunk"], meta["D"] - s)
 
 
 def _shards(folder: Path, columns: np.ndarray | None = None, prompts: int | None = None) -> tuple[dict, list[Path], int]:
@@ -277,7 +279,7 @@ def _shards(folder: Path, columns: np.ndarray | None = None, prompts: int | None
     where given); with ``prompts``, only the shards holding the first ``prompts`` rows."""
     meta = manifest(folder)
     paths, nnz = [], 0
-    for path, rows in _layout(folder, meta, prompts):
+    for _, path, rows in _layout(folder, meta, prompts):
         entries = _shard_entries(path, rows, meta["vocab_size"], columns)
         if entries is None:
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
@@ -434,13 +436,14 @@ def sample_budget(folder: str | Path) -> dict:
     prompt tokens alone are read, its entries left unread."""
     folder = Path(folder)
     meta, parts = manifest(folder), []
-    for path, rows in _layout(folder, meta):
-        if not path.is_file():
-            raise NVError(f"sampling shard {path} is missing: rerun the sampling stage")
-        with _reading(path) as z:
-            prompt_tokens = z["prompt_tokens"] if "prompt_tokens" in z.files else None
+    for _, path, rows in _layout(folder, meta):
+        try:
+            with np.load(path) as z:
+                prompt_tokens = z["prompt_tokens"]
+        except (*NPZ_ERRORS, KeyError):
+            prompt_tokens = None
         if prompt_tokens is None or prompt_tokens.shape != (rows,):
-            raise NVError(f"sampling shard {path} is corrupt (its prompt tokens): rerun the sampling stage")
+            raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
         parts.append(prompt_tokens)
     empty = sp.csr_matrix((meta["D"], meta["vocab_size"]), dtype=np.float32)
     return SampledMatrix(empty, empty, np.concatenate(parts), meta["N"], meta["temperature"]).budget()

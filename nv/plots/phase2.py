@@ -98,7 +98,8 @@ def errors(table: pd.DataFrame):
 def cross_platform(records: dict[str, list[dict]], discard: int):
     """App. B.3.3: the L-unknown relations T ~ gamma ell^2 d + zeta of the reference models on each
     platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref of Eq. 8 as the
-    fit uses it: both gammas over the references timed on both platforms (``nv.phase2.fit.cross_platform_depth``)."""
+    fit uses it: both gammas over the references timed on both platforms (``nv.phase2.fit.cross_platform_depth``);
+    where a gamma is not positive the title says there is no k, and why."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, (platform, recs) in enumerate(records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
@@ -126,6 +127,6 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
             fig.suptitle(f"Cross-platform calibration: {ratio} = {transfer_factor(gamma[1], gamma[0]):.2f} {over}")
         except NVError:  # the fits report it per model (``evaluation.held_out``); the figure shows the failure
             fig.suptitle(f"No cross-platform calibration: {ratio} needs both gammas positive {over}\n"
-                         f"(gamma = {gamma[0]:.3g} s, {gamma[1]:.3g} s: the timings too noisy or too short)", color="crimson")
+                         f"(gamma_{names[0]} = {gamma[0]:.3g} s, gamma_{names[1]} = {gamma[1]:.3g} s: the timings too noisy or too short)", color="crimson")
     fig.tight_layout()
     return fig
