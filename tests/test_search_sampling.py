@@ -112,9 +112,9 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
     out = collect(resumed, prompts, out_dir=tmp_path / "o", checkpoint_root=tmp_path / "c", **kw)
     assert resumed.cost.calls == 3 * 2000  # the torn shard's 2 prompts + the unfinished shard's 1, nothing else
     assert (out / "shard-0000000.npz").read_bytes() == intact
-    # whole in its structure but damaged in its values (a bad CRC inside the log-probs, counts no draw gives): a
-    # checkpoint is read through at resume and sampled again, not handed on to fail at every load after
-    for damage in (_damage_logprobs, lambda b: _edit(b, counts=0)):
+    # whole in its structure but damaged in its values (a bad CRC inside the log-probs, counts no draw gives, prompts
+    # of no tokens): a checkpoint is read through at resume and sampled again, not handed on to fail at every load after
+    for damage in (_damage_logprobs, lambda b: _edit(b, counts=0), lambda b: _edit(b, prompt_tokens=0)):
         work.mkdir()
         (work / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
         (work / "shard-0000000.npz").write_bytes(intact)
@@ -158,12 +158,15 @@ def test_corrupt_shard_is_resampled_and_missing_data_is_an_error(lm32, tmp_path)
                           ({"prompt_tokens": arrays["prompt_tokens"][:1]}, "shard-0000002.npz is missing or corrupt"),
                           ({"logprobs": np.where(np.arange(arrays["logprobs"].size) < 4, np.nan, arrays["logprobs"])},
                            r"shard-0000002.npz is corrupt \(4 logprobs not finite\): delete it and sample again"),
-                          ({"counts": np.zeros_like(arrays["counts"])}, r"\(\d+ counts below 1\)")):
+                          ({"counts": np.zeros_like(arrays["counts"])}, r"\(\d+ counts below 1\)"),
+                          ({"prompt_tokens": np.zeros_like(arrays["prompt_tokens"])}, r"\(\d+ prompt_tokens below 1\)"),
+                          ({"prompt_tokens": arrays["prompt_tokens"] + 0.5}, r"\(prompt_tokens stored as float64, not integers\)")):
         np.savez(shard, **(arrays | edit))
         for read in (load_samples, lambda f: list(iter_shards(f)[1])):
             with pytest.raises(NVError, match=message):
                 read(fresh)
-    for prompt_tokens in ({"prompt_tokens": arrays["prompt_tokens"][:1]}, {}):  # too short; absent
+    for prompt_tokens in ({"prompt_tokens": arrays["prompt_tokens"][:1]}, {}, {"prompt_tokens": 0 * arrays["prompt_tokens"]},
+                          {"prompt_tokens": arrays["prompt_tokens"] + 0.5}):  # too short; absent; zero; not integers
         np.savez(shard, **({k: v for k, v in arrays.items() if k != "prompt_tokens"} | prompt_tokens))
         with pytest.raises(NVError, match="shard-0000002.npz is missing or corrupt: rerun the sampling stage$"):
             sample_budget(fresh)

@@ -147,7 +147,7 @@ def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray |
                     and _length(z, "logprobs") == _length(z, "counts") == len(indices) and _length(z, "prompt_tokens") == rows):
                 return None
             if values:
-                for field in ("logprobs", "counts"):
+                for field in ("logprobs", "counts", "prompt_tokens"):
                     _checked(field, z[field])
     except Exception:  # a torn or corrupt shard is recomputed
         return None
@@ -308,7 +308,7 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
             arrays["indptr"][row + 1 : row + rows + 1] = indptr[1:] + offset
             for k in fields:
                 arrays[k][offset : offset + size] = (indices if k == "indices" else _checked(k, z[k]))[keep]
-            arrays["prompt_tokens"][row : row + rows] = z["prompt_tokens"]
+            arrays["prompt_tokens"][row : row + rows] = _checked("prompt_tokens", z["prompt_tokens"])
         row, offset = row + rows, offset + size
     return meta, arrays
 
@@ -326,8 +326,10 @@ def _reading(path: Path):
 
 
 def _checked(field: str, values: np.ndarray) -> np.ndarray:
-    """A shard's log-probs (finite) or counts (>= 1); else a ValueError saying how many are not (``_reading`` names
-    the shard)."""
+    """A shard's log-probs (finite), counts or prompt tokens (integers >= 1); else a ValueError saying how many are
+    not (``_reading`` names the shard)."""
+    if field != "logprobs" and values.dtype.kind not in "iu":
+        raise ValueError(f"{field} stored as {values.dtype}, not integers")
     ok = np.isfinite(values) if field == "logprobs" else values >= 1
     if not ok.all():
         raise ValueError(f"{np.count_nonzero(~ok)} {field} {'not finite' if field == 'logprobs' else 'below 1'}")
@@ -373,7 +375,7 @@ def _shard(path: Path, vocab_size: int) -> tuple[sp.csr_matrix, sp.csr_matrix, n
         shape = (len(indptr) - 1, vocab_size)
         counts = sp.csr_matrix((_checked("counts", z["counts"]), indices, indptr), shape=shape)
         logprobs = sp.csr_matrix((_checked("logprobs", z["logprobs"]), indices, indptr), shape=shape)
-        return counts, logprobs, z["prompt_tokens"]
+        return counts, logprobs, _checked("prompt_tokens", z["prompt_tokens"])
 
 
 def head(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
@@ -439,8 +441,8 @@ def sample_budget(folder: str | Path) -> dict:
     for _, path, rows in _layout(folder, meta):
         try:
             with np.load(path) as z:
-                prompt_tokens = z["prompt_tokens"]
-        except (*NPZ_ERRORS, KeyError):
+                prompt_tokens = _checked("prompt_tokens", z["prompt_tokens"])
+        except (*NPZ_ERRORS, KeyError):  # _checked's ValueError among them
             prompt_tokens = None
         if prompt_tokens is None or prompt_tokens.shape != (rows,):
             raise NVError(f"sampling shard {path} is missing or corrupt: rerun the sampling stage")
