@@ -10,7 +10,11 @@ The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numb
 - ``"501"``: answers 501 with an HTML error page, as ``python -m http.server`` does to a POST (final: never retried);
 - ``"timeout"``: never answers; the connection is dropped after ``hold`` seconds (past the client's timeout);
 - ``"truncate"``: forwarded (so paid), then answered 200 with the first half of the JSON body;
-- ``"reset"``: the connection is dropped with a TCP reset, not forwarded.
+- ``"reset"``: the connection is dropped with a TCP reset, not forwarded;
+- ``"301"``: answers 301 Moved Permanently to another host, not forwarded (redirects are final: never followed);
+- ``"gzip"``: forwarded (so paid), then answered 200 with ``Content-Encoding: gzip`` on a body that is not gzip;
+- ``"nousage"``: forwarded (so paid), then answered 200 with ``usage.prompt_tokens`` null;
+- ``"withhold"``: forwarded (so paid), then answered 200 with each sampled token's log-prob null (a provider's floor).
 
 ``mode="html"`` answers every request with an HTML page, ``mode="401"`` with 401 Unauthorized; ``mode="strip"`` removes ``logprobs`` from
 every forwarded reply (a server without log-prob support); ``mode="n"`` gives the llama.cpp server the
@@ -32,8 +36,8 @@ import time
 
 import httpx
 
-FAULTS = ("400", "429", "500", "501", "timeout", "truncate", "reset")
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+FAULTS = ("400", "429", "500", "501", "timeout", "truncate", "reset", "301", "gzip", "nousage", "withhold")
+REASONS = {200: "OK", 301: "Moved Permanently", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
            501: "Not Implemented"}
 
 
@@ -132,6 +136,8 @@ class FaultProxy:
             return await self._send(writer, 501, b"<!DOCTYPE HTML>\n<html><head><title>Error response</title></head>"
                                     b"<body><h1>Error response</h1><p>Error code: 501</p><p>Message: Unsupported method "
                                     b"(&#x27;POST&#x27;).</p></body></html>\n", "text/html;charset=utf-8")
+        if fault == "301":
+            return await self._send(writer, 301, b"", extra=f"Location: https://example.invalid{path}\r\n")
         if fault == "timeout":
             await asyncio.sleep(self.hold)
             writer.close()
@@ -154,7 +160,16 @@ class FaultProxy:
                 data = json.dumps(reply).encode()
         if fault == "truncate":
             data = data[: len(data) // 2]
-        return await self._send(writer, r.status_code, data, r.headers.get("content-type", "application/json"))
+        if fault in ("nousage", "withhold"):
+            reply = json.loads(data)
+            if fault == "nousage":
+                reply["usage"]["prompt_tokens"] = None
+            for choice in reply["choices"] if fault == "withhold" else []:
+                for entry in choice["logprobs"]["content"]:
+                    entry["logprob"] = None
+            data = json.dumps(reply).encode()
+        extra = "Content-Encoding: gzip\r\n" if fault == "gzip" else ""
+        return await self._send(writer, r.status_code, data, r.headers.get("content-type", "application/json"), extra)
 
     async def _expand_n(self, path: str, body: dict) -> bytes:
         self.forwarded.append(body)

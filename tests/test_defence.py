@@ -28,6 +28,7 @@ from nv.oracle.defence import (
 from nv.oracle.http import HTTPOracle
 from nv.oracle.simulator import Simulator, log_softmax
 from nv.params import check_section
+from nv.phase1.search import search_prompts
 
 PROMPTS = ["⠓ꦂ🜁ᚠ∰", "Ωж字ϡ", "The cat", "∂∮λ"]
 SEEDS = [(0, q) for q in range(len(PROMPTS))]
@@ -141,7 +142,10 @@ def test_noise_before_rounding_dithers_it_away_for_an_averaging_attacker():
 # -- sampling side, synthetic -------------------------------------------------------------------------
 
 def _mask_by_definition(p, top_k, top_p, min_p):
+    """vLLM V1's sampler: min-p, then top-k, then top-p over what is left."""
     order = sorted(range(len(p)), key=lambda i: -p[i])
+    if min_p is not None:
+        order = [i for i in order if p[i] >= min_p * max(p)]
     kept = order[:top_k] if top_k else order
     if top_p is not None:
         total, acc, nucleus = sum(p[i] for i in kept), 0.0, []
@@ -151,19 +155,19 @@ def _mask_by_definition(p, top_k, top_p, min_p):
             nucleus.append(i)
             acc += p[i]
         kept = nucleus
-    if min_p is not None:
-        kept = [i for i in kept if p[i] >= min_p * max(p)]
     mask = np.zeros(len(p), dtype=bool)
     mask[kept] = True
     return mask
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(10, None, None), (None, 0.7, None), (None, None, 0.05),
-                                                  (30, 0.9, None), (30, 0.9, 0.02), (None, 1.0, 0.0)])
+                                                  (30, 0.9, None), (30, 0.9, 0.02), (None, 1.0, 0.0), (None, 0.5, 0.6)])
 def test_truncation_mask_follows_its_definition(top_k, top_p, min_p):
     for seed in range(5):
         p = np.exp(log_softmax(np.random.default_rng(seed).normal(0, 2, 300)))
         assert np.array_equal(truncation_mask(p, top_k, top_p, min_p), _mask_by_definition(p, top_k, top_p, min_p))
+    # min-p before top-p: top-p's nucleus is taken on the min-p survivors renormalised (vLLM v0's order kept two here)
+    assert truncation_mask(np.array([0.4, 0.3, 0.2, 0.1]), top_p=0.5, min_p=0.6).tolist() == [True, False, False, False]
 
 
 def test_sampling_price_of_truncation_is_minus_log_kept_mass_and_one_minus_it():
@@ -265,6 +269,17 @@ def test_min_logprob_drops_sampled_entries_below_it_and_withholds_argmax_log_pro
     theta = float(np.median(top))
     withheld = np.array([s.logprobs[0] for s in DefendedOracle(sim, Defence(min_logprob=theta), 0).argmax(PROMPTS)])
     assert np.array_equal(np.isnan(withheld), top < theta) and np.array_equal(withheld[top >= theta], top[top >= theta])
+
+
+def test_the_search_ranks_withheld_argmax_log_probs_as_the_flattest_prompts(sim):
+    """A withheld argmax log-prob lies below the provider's floor, under every value returned: the search keeps
+    those prompts first (a NaN once sorted last and, as the running best, led the paper mode's mutations)."""
+    bare = search_prompts(sim, 8, 2, 8, 0, 0.02, seed=0, mode="diverse", progress=False)
+    theta = float(np.log(np.median(bare.argmax_prob)))
+    flat = {p for p, q in zip(bare.prompts, bare.argmax_prob) if np.log(q) < theta}
+    defended = search_prompts(DefendedOracle(sim, Defence(min_logprob=theta), 0), 8, 2, 8, 0, 0.02, seed=0,
+                              mode="diverse", progress=False)
+    assert defended.prompts == bare.prompts and len(flat) == 8 and set(defended.kept) == flat
 
 
 @pytest.mark.parametrize("knobs", [{"top_k": 20}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 50, "top_p": 0.9, "min_p": 0.02}])

@@ -46,6 +46,12 @@ def upstream_app(seen: list) -> web.Application:
             await asyncio.sleep(2)
         if path.endswith("/models"):
             return web.json_response({"data": [{"id": "m"}]})
+        if path.endswith("/leaky/chat/completions"):  # llama.cpp's prefill time and post-sampling probabilities
+            reply = json.loads(json.dumps(CHAT))
+            reply["timings"] = {"prompt_ms": 43.2, "prompt_per_token_ms": 0.64}
+            reply["choices"][0]["logprobs"]["content"][0] |= {"prob": 0.2158, "top_probs": [{"token": "a", "prob": 0.2158}]}
+            return web.json_response(reply, headers={"openai-processing-ms": "43", "Server-Timing": "prefill;dur=43.2",
+                                                     "x-ratelimit-remaining-requests": "99"})
         return web.json_response(json.loads(json.dumps(CHAT if "chat" in path else TEXT)))
 
     app = web.Application()
@@ -120,6 +126,26 @@ def test_what_cannot_be_defended_is_refused_with_a_message():
     for (status, _, body), (path, _, want, message) in zip(replies, cases):
         assert status == want and message in body["error"]["message"] and body["error"]["message"].startswith("nv defend: "), path
     assert len(seen) == 2  # only the two the upstream had to answer
+
+
+def test_fields_and_headers_that_would_undo_the_defence_are_refused_or_dropped():
+    """A request field the proxy does not control is refused before it reaches the upstream (llama.cpp's mirostat
+    and samplers replace its truncation chain, post_sampling_probs returns unrounded probabilities); a defended reply
+    loses llama.cpp's timings (the server's own prefill time), the post-sampling probabilities and the timing headers,
+    and keeps its log-probs (defended) and rate-limit headers."""
+    requests = [("POST", "/v1/chat/completions", {"messages": [], extra: value})
+                for extra, value in (("mirostat_mode", 2), ("samplers", ["temperature"]), ("post_sampling_probs", True))]
+    replies, seen = exchange(Defence(top_k=5, latency_quantum_ms=200), requests + [
+        ("POST", "/v1/leaky/chat/completions", {"messages": [], "logprobs": True, "top_logprobs": 2})])
+    for (status, _, body), (_, _, request) in zip(replies[:3], requests):
+        (field,) = set(request) - {"messages"}
+        assert status == 400 and f"request field(s) '{field}' not passed on" in body["error"]["message"]
+    status, headers, reply = replies[3]
+    entry = reply["choices"][0]["logprobs"]["content"][0]
+    assert status == 200 and "timings" not in reply and set(entry) == {"token", "logprob", "top_logprobs"}
+    assert "openai-processing-ms" not in headers and "Server-Timing" not in headers
+    assert headers["x-ratelimit-remaining-requests"] == "99"
+    assert [s["path"] for s in seen] == ["/v1/leaky/chat/completions"] and seen[0]["json"]["top_k"] == 5
 
 
 def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncation():

@@ -224,6 +224,21 @@ def test_client_errors_are_not_retried_and_server_errors_are(server, capsys):
             assert proxy.posts == 2 and oracle.stats["retries"] == 1 and len(proxy.forwarded) == 1 and reply.prompt_tokens > 0
         err = capsys.readouterr().err
         assert ("chat/completions: HTTP 500 injected; retry 1 of 3 in " in err) is progress, err
+    # a redirect is final (its POST body would not follow it); a body its Content-Encoding cannot decode is retried
+    # as a truncated one is; a timed reply without a prompt-token count is one line, not a TypeError
+    with FaultProxy(server.base_url, {0: "301", 1: "gzip", 3: "nousage"}) as proxy, \
+            HTTPOracle(proxy.url, server.model_name, limits=limits) as oracle:
+        with pytest.raises(NVError, match=r"redirects \(HTTP 301\) to https://example.invalid/v1/chat/completions: give"):
+            oracle.argmax(["Hello"])
+        assert proxy.posts == 1 and oracle.stats["retries"] == 0
+        (reply,) = oracle.argmax(["Hello"])
+        assert proxy.posts == 3 and oracle.stats["retries"] == 1 and reply.prompt_tokens > 0
+        with pytest.raises(NVError, match=r"^reply has no usage.prompt_tokens count: "):
+            oracle.time_request("Hello")
+    # a greedy token named with a null log-prob was withheld (nv defend's min_logprob): NaN, as DefendedOracle gives
+    with FaultProxy(server.base_url, {0: "withhold"}) as proxy, HTTPOracle(proxy.url, server.model_name) as oracle:
+        (withheld,), (shown,) = oracle.argmax(["Hello"]), oracle.argmax(["Hello there"])
+    assert withheld.token_ids[0] >= 0 and np.isnan(withheld.logprobs[0]) and -20 < shown.logprobs[0] <= 0
 
 
 # The upper bounds leave the loaded machine's latency room (0.5 s and 2.0 s were passed under `make test`'s two

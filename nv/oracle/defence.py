@@ -23,11 +23,14 @@ Log-prob side, in the order applied (``y`` is the log-prob the backend reports):
   rounding away). The noise of prompt q is seeded by (seed, seeds[q]): the same request returns the
   same reply, as a seeded API does.
 
-Sampling side (``top_k``, ``top_p``, ``min_p``): applied after the temperature, in vLLM's order:
-top-k, top-p on the renormalised top-k distribution (the smallest most-likely prefix of mass
->= top_p), min-p (p_i >= min_p * p_max). Only the simulator (white-box distributions, sampled here)
-and the HTTP client (the server's own ``top_k``/``top_p``/``min_p`` request fields) can honour them.
-The log-prob reported for a draw stays the backend's untruncated value (as llama.cpp reports).
+Sampling side (``top_k``, ``top_p``, ``min_p``): the simulator applies them after the temperature, in
+vLLM V1's order (its sampler: temperature, min-p, then top-k and top-p): min-p (p_i >= min_p * p_max),
+top-k, then top-p on the renormalised survivors (the smallest most-likely prefix of mass >= top_p).
+Only the simulator (white-box distributions, sampled here) and the HTTP client (the server's own
+``top_k``/``top_p``/``min_p`` request fields) can honour them; a server applies its own order, and
+llama.cpp's (its C++ server's default chain and llama-cpp-python's) truncates *before* the temperature,
+so at tau > 1 the same knob keeps fewer tokens there than here. The log-prob reported for a draw stays
+the backend's untruncated value (as llama.cpp reports).
 
 Timing side: ``pad_to_tokens`` times the prompt padded to the next multiple of the bucket (a real
 call, through the backend; the padding is the provider's and is not billed), then ``delay_uniform_ms``
@@ -137,18 +140,18 @@ def reported_logprobs(y: np.ndarray, counts: np.ndarray, defence: Defence, rng: 
 
 def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None = None,
                     min_p: float | None = None) -> np.ndarray:
-    """Tokens that survive top-k, then top-p on the renormalised survivors, then min-p (vLLM's order)."""
+    """Tokens that survive min-p, top-k, then top-p on the renormalised survivors (vLLM V1's order)."""
     p = np.asarray(p, dtype=np.float64)
     order = np.argsort(-p, kind="stable")
     ps = p[order]
     keep = np.ones(p.size, dtype=bool)
+    if min_p is not None:
+        keep &= ps >= min_p * ps[0]
     if top_k is not None:
         keep[top_k:] = False
     if top_p is not None:
         kept = np.where(keep, ps, 0.0) / ps[keep].sum()
         keep &= np.cumsum(kept) - kept < top_p  # mass before the token: the crossing token is kept
-    if min_p is not None:
-        keep &= ps >= min_p * ps[0]
     mask = np.empty_like(keep)
     mask[order] = keep
     return mask

@@ -13,11 +13,16 @@ functions as ``DefendedOracle`` (``nv.oracle.defence``):
 - timing: the reply waits out ``delay_uniform_ms`` / ``delay_exp_ms`` and then until the elapsed time is a
   multiple of ``latency_quantum_ms``.
 
-What the proxy cannot defend it refuses instead of passing on: a streamed request (400), a POST to any other route
-(403: it might return log-probs in a shape the proxy does not know), an upstream reply to a completion that is not a
-JSON object (502). ``pad_to_tokens`` needs the served model's tokenizer, which a proxy does not have: refused, as
-for the HTTP oracle. GET requests (``/v1/models``, ``/health``) pass through unchanged. Credentials in
-``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into output.
+What the proxy cannot defend it refuses instead of passing on: a streamed request (400), a request field outside
+``REQUEST_FIELDS`` (400: llama.cpp's ``mirostat_*`` and ``samplers`` replace the truncation chain, ``dynatemp_*``
+the temperature, ``post_sampling_probs``/``n_probs`` return probabilities instead of log-probs), a POST to any other
+route (403: it might return log-probs in a shape the proxy does not know), an upstream reply to a completion that is
+not a JSON object (502). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
+the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
+provider's ``openai-processing-ms`` likewise). ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
+does not have: refused, as for the HTTP oracle. GET requests (``/v1/models``, ``/health``) pass through unchanged.
+Credentials in ``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into
+output.
 """
 
 from __future__ import annotations
@@ -37,8 +42,27 @@ from multidict import CIMultiDict
 from nv.errors import NVError
 from nv.oracle.defence import Defence, http_truncation_fields, quantise
 from nv.oracle.http import split_credentials
+from nv.params import REQUEST_FIELDS as ATTACK_FIELDS
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+# request fields passed on: OpenAI's, and vLLM's and llama.cpp's that leave the temperature, the truncation, the
+# log-probs' form and the timing to the proxy (the attack's own, nv.params.REQUEST_FIELDS, among them)
+REQUEST_FIELDS = ATTACK_FIELDS | {
+    "suffix", "top_k", "top_p", "min_p", "stop", "stop_token_ids", "user", "prompt_logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "chat_template", "chat_template_kwargs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "length_penalty", "metadata", "store", "service_tier", "reasoning_effort", "modalities"}
+# what a defended reply keeps (by level); every log-prob field among them is defended by defend_reply
+REPLY_FIELDS = {
+    "reply": {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "service_tier", "prompt_logprobs"},
+    "choice": {"index", "message", "text", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs"},
+    "logprobs": {"content", "refusal", "tokens", "token_logprobs", "top_logprobs", "text_offset"},
+    "entry": {"id", "token", "logprob", "bytes", "top_logprobs"},  # chat: content[i] and its top_logprobs[j]
+}
+# headers a defended reply keeps: these, and the rate-limit family (x-ratelimit-*); not Server-Timing or a provider's
+# processing time (openai-processing-ms), which carry the upstream's own timing
+REPLY_HEADERS = {"content-type", "date", "server", "x-request-id", "retry-after"}
 PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 # the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
@@ -65,7 +89,11 @@ def check_upstream(url: str) -> tuple[str, dict]:
 
 def defend_request(body: dict, defence: Defence) -> dict:
     """The request as the provider serves it: the temperature capped (an absent one taken as OpenAI's default 1),
-    the truncation fields set, or the client's kept where stricter."""
+    the truncation fields set, or the client's kept where stricter; a field outside ``REQUEST_FIELDS`` is refused."""
+    unknown = sorted(set(body) - REQUEST_FIELDS)
+    if unknown:
+        raise NVError(f"request field(s) {', '.join(map(repr, unknown))} not passed on: they could undo the defence "
+                      "(a sampler chain, a temperature or a probability format the proxy does not control)")
     body = dict(body)
     t = body.get("temperature")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
@@ -79,8 +107,25 @@ def defend_request(body: dict, defence: Defence) -> dict:
     return body
 
 
+def _known(obj, level: str):
+    """``obj`` with only the ``REPLY_FIELDS[level]`` keys (anything else as it is)."""
+    return {k: v for k, v in obj.items() if k in REPLY_FIELDS[level]} if isinstance(obj, dict) else obj
+
+
 def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dict:
-    """Every log-prob of a chat or completions reply, as the defended API returns it."""
+    """A chat or completions reply as the defended API returns it: only its known fields, every log-prob defended."""
+    reply = _known(reply, "reply")
+    if isinstance(reply.get("choices"), list):
+        reply["choices"] = [_known(c, "choice") for c in reply["choices"]]
+        for choice in reply["choices"]:
+            if isinstance(choice, dict) and isinstance(choice.get("logprobs"), dict):
+                lp = choice["logprobs"] = _known(choice["logprobs"], "logprobs")
+                for part in ("content", "refusal"):
+                    if isinstance(lp.get(part), list):
+                        lp[part] = [_known(e, "entry") for e in lp[part]]
+                        for e in lp[part]:
+                            if isinstance(e, dict) and isinstance(e.get("top_logprobs"), list):
+                                e["top_logprobs"] = [_known(t, "entry") for t in e["top_logprobs"]]
     noise: dict[tuple, float] = {}
 
     def value(y, key: tuple):
@@ -182,6 +227,8 @@ def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.
                 return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
                                    "not passed on undefended")
             body = json.dumps(defend_reply(reply, defence, rng)).encode()
+            passed = CIMultiDict((k, v) for k, v in passed.items()
+                                 if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
             passed["Content-Type"] = "application/json"
             wait = added_delay_s(defence, rng)
             if defence.latency_quantum_ms is not None:

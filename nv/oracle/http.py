@@ -73,8 +73,8 @@ def split_credentials(base_url: str) -> tuple[str, dict]:
 @dataclass(frozen=True)
 class Limits:
     """Politeness: parallel requests, requests and tokens per minute (0: none), retries with
-    exponential backoff (``backoff`` s doubled per attempt, plus uniform jitter, at most
-    ``backoff_max``), and the per-request timeout in seconds."""
+    exponential backoff (``backoff`` s doubled per attempt, plus up to as much uniform jitter, the
+    wait at most ``backoff_max``), and the per-request timeout in seconds."""
 
     concurrency: int = 8
     rpm: float = 0
@@ -314,7 +314,8 @@ class HTTPOracle(Oracle):
         if not self.n_supported:
             self.n_per_request = 1
         key, lp, _ = greedy["c"][0] if greedy["c"] else (None, None, [])
-        self._probe_pairs = [(lp, v) for k, v, _ in sampled["c"] if key is not None and k == key and lp is not None]
+        self._probe_pairs = [(lp, v) for k, v, _ in sampled["c"]
+                             if key is not None and k == key and lp is not None and v is not None]
 
     # -- the Oracle interface -----------------------------------------------------------------
 
@@ -350,19 +351,24 @@ class HTTPOracle(Oracle):
             out.append(Samples(cols[order], np.array([tokens[k][0][1] for k in first])[order],
                                np.array([tokens[k][1] for k in first], dtype=np.int64)[order], ell[q]))
             self.cost.charge(ell[q], calls=n)
+        self.journal.sync()  # the columns just assigned, durable before a shard can be written with them
         return out
 
     def argmax(self, prompts: Sequence[str]) -> list[Samples]:
         """One temperature-0 call per prompt. A token the reply does not identify gets column -1;
-        an end-of-turn token reported without a log-prob counts as probability 1 (never kept)."""
+        an end-of-turn token reported without a log-prob counts as probability 1 (never kept); a token named
+        with a null log-prob (a provider's ``min_logprob`` floor, ``nv defend``) is NaN: withheld, as
+        ``DefendedOracle`` reports it."""
         records = self._run((self._body(p, 0.0, 1, None, logprobs=True) for p in prompts), len(prompts))
         out = []
         for prompt, record in zip(prompts, records):
             key, lp, _ = record["c"][0] if record["c"] else (None, None, [])
-            col, lp = (-1 if key is None else self._column(key)), (0.0 if lp is None else lp)
+            col = -1 if key is None else self._column(key)
+            lp = lp if lp is not None else 0.0 if key is None else math.nan
             self.greedy[prompt] = (col, lp)
             out.append(Samples(np.array([col]), np.array([lp]), np.array([1]), record["p"]))
             self.cost.charge(record["p"], calls=1)
+        self.journal.sync()
         return out
 
     def time_request(self, prompt: str) -> TimedCall:
@@ -389,7 +395,7 @@ class HTTPOracle(Oracle):
         agree, compared = sum(abs(a - b) < 1e-3 for a, b in self._probe_pairs), len(self._probe_pairs)
         for q, prompt in enumerate(prompts):
             col, lp = self.greedy.get(prompt, (-1, 0.0))
-            if col >= 0 and sampled.counts[q, col] > 0:
+            if col >= 0 and math.isfinite(lp) and sampled.counts[q, col] > 0:
                 compared += 1
                 agree += abs(float(sampled.logprobs[q, col]) - lp) < 1e-3
         mode = "unknown" if not compared else "raw" if agree == compared else "processed" if not agree else "mixed"
@@ -616,12 +622,17 @@ class HTTPOracle(Oracle):
                     raise _Retry(f"HTTP {r.status_code} {_detail(r)}".strip(), r.headers.get("retry-after"))
                 if r.status_code >= 400:
                     raise NVError(f"{url} refused the request: HTTP {r.status_code} {_detail(r)}")
+                if r.status_code >= 300:  # redirects are not followed: a POST's body would not survive all of them
+                    raise NVError(f"{url} redirects (HTTP {r.status_code}) to {r.headers.get('location', '?')}: "
+                                  "give the endpoint's own URL as --base-url")
                 try:
                     data = r.json()
                 except ValueError:
                     raise _Retry("truncated or non-JSON reply") from None
             except httpx.TimeoutException:
                 last, wait = "timeout", None
+            except httpx.DecodingError:  # a body its Content-Encoding cannot decode: as torn as a truncated one
+                last, wait = "undecodable reply", None
             except httpx.TransportError as exc:
                 last, wait = f"connection error ({type(exc).__name__})", None
             except _Retry as exc:
@@ -629,9 +640,10 @@ class HTTPOracle(Oracle):
             else:
                 if timed:
                     usage = data.get("usage") if isinstance(data, dict) else None
-                    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
-                        raise NVError(f"reply has no usage.prompt_tokens: {canonical(data)[:200]}")
-                    return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+                    try:
+                        return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+                    except (KeyError, TypeError, ValueError, AttributeError):
+                        raise NVError(f"reply has no usage.prompt_tokens count: {canonical(data)[:200]}") from None
                 return parse_reply(data, self.chat, self.top_logprobs)
             if attempt < self.limits.retries:
                 delay = self._backoff(attempt, wait)
@@ -660,7 +672,7 @@ class HTTPOracle(Oracle):
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         base = min(self.limits.backoff_max, self.limits.backoff * 2**attempt)
-        delay = base + random.uniform(0, base)
+        delay = min(self.limits.backoff_max, base + random.uniform(0, base))
         if retry_after:
             try:
                 delay = max(delay, min(float(retry_after), self.limits.backoff_max))

@@ -9,7 +9,8 @@ per-request seed, so the same key always means the same question), and one line 
 the first time a token is seen (the stable column index of Y_hat, Alg. 1).
 
 Each line goes out in one ``os.write`` on an ``O_APPEND`` descriptor as soon as its response
-arrives, and the file is fsync'ed before the response is used. A process killed mid-write leaves
+arrives, and the file is fsync'ed before a batch of responses leaves the oracle (with the token columns they
+were given: ``HTTPOracle.sample``/``argmax`` sync after assigning them). A process killed mid-write leaves
 at most a torn last line: it is dropped with a warning and the file truncated to its last whole
 line; a bad line anywhere else makes the journal untrusted (an error, never silently accepted).
 An exclusive lock keeps two processes from appending to one journal. No credential is written.
@@ -37,7 +38,7 @@ from nv.errors import NVError
 
 log = logging.getLogger(__name__)
 
-# what to do about a bad line: the lines above it are whole (each was fsync'ed before its reply was used)
+# what to do about a bad line: the lines above it are whole (each was fsync'ed before its reply left the oracle)
 _RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or use a new --journal path)"
 MAGIC = "nightvision-journal"
 _DIGEST = re.compile("[0-9a-f]{64}")

@@ -132,7 +132,9 @@ def search_prompts(
             batch = _unique_batch(lambda i: mutate(rng, best, i % len(ALPHABETS)), batch_size, seen, max_tries)
         if not batch:
             break
-        p = np.exp([s.logprobs[0] for s in oracle.argmax(batch)])
+        # a withheld argmax log-prob (NaN: under a provider's min_logprob floor) is below every value returned: the
+        # flattest prompts, probability 0 for the ranking
+        p = np.nan_to_num(np.exp([s.logprobs[0] for s in oracle.argmax(batch)]), nan=0.0)
         prompts += batch
         probs += p.tolist()
         best = prompts[int(np.argmin(probs))]
