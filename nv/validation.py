@@ -6,7 +6,7 @@ stages). Phase 2 is evaluated in two setups: ``F``, the target against the rando
 only (as the section stages do), and ``all``, leave-one-out among every timed model (the references and the
 other real models, with their true facts): the paper's setup. L_hat and P_hat, the rule choosing between
 the paper's two depth estimators and the calibrated 90 % intervals are ``nv.phase2.intervals``'s (the live attack
-uses the same); d's interval is the detector's (``nv.phase1.spectrum.d_interval``). Beside the attacker-side P_hat:
+uses the same functions, scored on its calibration's reference platform alone); d's interval is the detector's (``nv.phase1.spectrum.d_interval``). Beside the attacker-side P_hat:
 Eq. 3 with the paper's default ratios and with the target's true ratios (an oracle, for comparison). Coverage of
 the intervals is counted over every (model, budget).
 """
@@ -170,7 +170,8 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
 def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
     """Empirical coverage of the 90 % intervals: d over every (model, phase-1 budget); L and P over every
     (model, phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where fewer
-    than two calibration models gave a fit, covers trivially: counted apart as uninformative); pooled over all three. The
+    than two calibration models gave a fit, covers trivially, and a case with none, where no P_ne_hat came out: both
+    counted apart as uninformative); pooled over all three. The
     headline intervals (the hull of both depth estimators') first, then the rule's estimator's alone (``rule``)."""
     d = phase1[phase1.method == estimator].covered.astype(bool)
     with_d = cases[cases.saturated & cases.L_hat.notna()]

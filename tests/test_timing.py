@@ -14,7 +14,7 @@ import pytest
 from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.models.reference_family import Shape, random_llama, shape_from_entry, write_gguf
-from nv.phase2.protocol import BASELINE, TimingJob, collect_interleaved, collect_timings, summarize, timing_prompt
+from nv.phase2.protocol import BASELINE, LengthTimings, TimingJob, collect_interleaved, collect_timings, summarize, timing_prompt
 from nv.phase2.evaluation import evaluate, held_out
 from nv.phase2.fit import scaling_relation
 
@@ -33,6 +33,14 @@ class CountingSimulator(Simulator):
         call = super().time_request(prompt)
         self.sent.append(call.prompt_tokens)
         return call
+
+
+def test_damaged_timing_rows_are_one_line():
+    with pytest.raises(NVError, match="must start with the ell = 1 baseline"):
+        summarize([])
+    rows = [LengthTimings(BASELINE, [1, 1], [0.1, 0.1]), LengthTimings(50, [50, 50, 50], [0.2, 0.2, 0.3])]
+    with pytest.raises(NVError, match=r"differ in their number of trials \(\[2, 3\]\)"):
+        summarize(rows)
 
 
 def test_fresh_random_prefix_per_trial():
@@ -76,6 +84,11 @@ def test_interrupted_run_resumes_from_measured_lengths(lm32, tmp_path):
     other = CountingSimulator(lm32)
     collect_timings(other, LENGTHS, 2, 2, 6, checkpoint, RUN, progress=False)  # another seed: starts over
     assert len(other.sent) == 2 + 3 * 2
+    for foreign in (b"[1, 2]\n", b"null\n", b"\xff\xfe\n"):  # another program's file: replaced, not a traceback
+        checkpoint.write_bytes(foreign)
+        replaced = CountingSimulator(lm32)
+        collect_timings(replaced, LENGTHS, 2, 2, 6, checkpoint, RUN, progress=False)
+        assert len(replaced.sent) == 2 + 3 * 2
 
 
 def test_interleaved_models_share_one_random_order_and_resume_apart(lm32, tmp_path):
@@ -223,6 +236,21 @@ def test_leave_one_out_recovers_depth_on_both_platforms():
     assert abs(target.loc[("llamacpp", "true d"), "L_hat_eq10"] - 30) < 1.0
     lone = held_out(records["inprocess"][:2], records["inprocess"][:2], records["inprocess"][0], TIMING, "d_used")
     assert "two reference models" in lone["note"] and "L_hat" not in lone  # reported, not fatal
+
+
+def test_transfer_factor_pools_only_references_timed_on_both_platforms():
+    """Eq. 8's k = gamma^tgt / gamma^ref compares the same models: a reference timed on the second platform alone (a
+    params' llama.cpp list naming a model the reference platform lacks) is left out of both, not pooled into gamma^tgt,
+    whose slope grows with the mean depth of what it pools (with it, k read 2.52 for 2 and L_hat 15.9 for 20)."""
+    rng = np.random.default_rng(1)
+    shapes = [("a", 12, 384), ("b", 16, 512), ("c", 24, 448)]
+    inproc = [_record(name, "reference", L, d, d, 2e-12, 0.01, "inprocess", rng) for name, L, d in shapes]
+    llama = [_record(name, "reference", L, d, d, 2e-12, 0.01, "llamacpp", rng, 2.0) for name, L, d in shapes]
+    g = _record("g", "target", 20, 576, 576, 2e-12, 0.01, "llamacpp", rng, 2.0)
+    alone = _record("deep", "reference", 48, 512, 512, 2e-12, 0.01, "llamacpp", rng, 2.0)
+    row, extra = (held_out(inproc, recs, g, TIMING, "d_used") for recs in (llama, llama + [alone]))
+    assert row["k"] == pytest.approx(2.0, rel=0.05) and abs(row["L_hat"] - 20) < 1.0
+    assert (extra["k"], extra["L_hat"], extra["L_hat_eq10"]) == (row["k"], row["L_hat"], row["L_hat_eq10"])
 
 
 def test_timings_that_do_not_grow_are_reported_and_drawn_not_fatal(tmp_path):

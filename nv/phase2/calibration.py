@@ -4,13 +4,13 @@ reference family, written by the timing_fit stage (``calibration``) and read by 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
 from nv.errors import NVError
+from nv.outputs import read_json
 from nv.params import check_timing_protocol
 from nv.phase2 import prefill
 from nv.phase2.evaluation import timings
@@ -28,7 +28,8 @@ def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
     (that platform's r and K, the sweep and fit settings) to time the target the same way; the prefill curve's
     b, c, a (``nv.phase2.prefill``; null when its fit fails); and, each reference held out in turn, the rule's
     scores and the conformal half-widths of ``nv.phase2.intervals`` (``score_<estimator>``, ``q_L_<estimator>``,
-    ``q_P_<estimator>``; null where infinite: fewer than two references with a fit)."""
+    ``q_P_<estimator>``; null where infinite: fewer than two references with a fit), on that platform alone (the
+    validation's scores pool every platform's references: it evaluates targets on each, a live attack on one)."""
     platform = next(iter(records))
     references = [r for r in records[platform] if r["role"] == "reference"]
     refs = timings(references, timing["discard"], "d")
@@ -49,12 +50,9 @@ def calibration(records: dict[str, list[dict]], timing: dict) -> dict:
 
 def load_calibration(path: Path) -> dict:
     """A ``calibration.json`` written by the timing_fit stage; one-line errors for anything else."""
-    try:
-        cal = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise NVError(f"timing calibration not found: {path} (run `dvc repro timing_fit`)") from None
-    except json.JSONDecodeError:
-        raise NVError(f"timing calibration {path} is not JSON") from None
+    if not Path(path).exists():
+        raise NVError(f"timing calibration not found: {path} (run `dvc repro timing_fit`)")
+    cal = read_json(Path(path), "timing_fit")
     missing = [k for k in CALIBRATION_KEYS if not isinstance(cal, dict) or k not in cal]
     if missing:
         raise NVError(f"timing calibration {path} lacks {missing}: use outputs/timing_fit/calibration.json "

@@ -104,8 +104,11 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
     def others(records: list[dict], among: set[str] | None = None) -> list[dict]:
         return [r for r in records if r["role"] == "reference" and r["model"] != g["model"] and (among is None or r["model"] in among)]
 
-    ref, tgt = others(reference), others(platform)
-    tgt_on_ref = others(reference, {r["model"] for r in tgt})
+    # Eq. 8's k compares the same models on both platforms: those timed on both (a reference timed on g's platform
+    # alone would pool a deeper or shallower set into gamma^tgt than gamma^ref, and the pooled gamma grows with depth)
+    ref = others(reference)
+    both = {r["model"] for r in ref} & {r["model"] for r in others(platform)}
+    tgt, tgt_on_ref = others(platform, both), others(reference, both)
     discard = timing["discard"]
     d_hat = float(g[d_key])
     row = {"model": g["model"], "role": g["role"], "platform": g["platform"], "d_source": "d_hat" if d_key == "d_used" else "true d",

@@ -2,7 +2,9 @@
 
 Two depth estimators, both the paper's (``nv.phase2.evaluation.held_out``): the basic estimator of §4.2 and
 Eq. 10. The rule (``choose_rule``) takes the one with the smaller median leave-one-out error over the
-calibration's own references, each held out on every platform it was timed on, among those that give the target a
+calibration's own references, each held out on every platform it was timed on (the validation; the live attack's
+calibration file, ``nv.phase2.calibration``, is the reference platform's alone, so there it scores that platform's
+references, where its beta, alpha and half-widths come from), among those that give the target a
 depth: what the attacker can decide from the data it has. Pooling the platforms gives the choice more models than
 one platform has (the default profile's llama.cpp platform has three references, one without a basic fit, where
 the median of two errors decided); what separates the estimators is structural (a borrowed against a free

@@ -39,7 +39,7 @@ class PrefillCalibration:
 
 
 def calibrate(records: list[dict]) -> PrefillCalibration:
-    """Weighted least squares (weights 1/sigma_T) of every sweep point of the reference ``records``."""
+    """Weighted least squares (weights 1/sigma_T^2, App. D) of every sweep point of the reference ``records``."""
     if len(records) < 2:
         raise NVError("the prefill calibration needs at least two reference models on the platform")
     X, y, w = [], [], []

@@ -107,12 +107,13 @@ def _resume(path: Path, key: str) -> dict[int, LengthTimings]:
     """Finished lengths of a run with the same key, then the checkpoint rewritten to exactly those
     (header + good rows): a torn last line is dropped with a warning, another run's file replaced."""
     done: dict[int, LengthTimings] = {}
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     if lines:
         try:
-            same_run = json.loads(lines[0]).get("key") == key
+            head = json.loads(lines[0])
         except json.JSONDecodeError:
-            same_run = False
+            head = None
+        same_run = isinstance(head, dict) and head.get("key") == key
         if not same_run:
             log.warning("timing checkpoint %s belongs to another run: starting over", path)
             lines = []
@@ -210,9 +211,12 @@ def collect_interleaved(
 def summarize(rows: list[LengthTimings], trim: float = 0.1) -> dict[str, np.ndarray]:
     """App. D statistics: per length the mean measured ell, the 10 %-trimmed mean latency minus the
     ell = 1 baseline's (the prefill time T), and sigma_T = std / sqrt(N_kept)."""
-    baseline, rest = rows[0], rows[1:]
-    if baseline.target != BASELINE:
+    if not rows or rows[0].target != BASELINE:
         raise NVError("timing rows must start with the ell = 1 baseline")
+    baseline, rest = rows[0], rows[1:]
+    if len({len(r.seconds) for r in rows}) > 1:
+        raise NVError(f"timing rows differ in their number of trials ({sorted({len(r.seconds) for r in rows})}): "
+                      "a damaged record; rerun its timing stage")
     T, sigma = prefill_times(np.array([r.seconds for r in rest]), np.array(baseline.seconds), trim)
     ell = np.array([np.mean(r.ell) for r in rest])
     return {"ell": ell, "T": T, "sigma": sigma, "tokens": sum(sum(r.ell) for r in rows)}
