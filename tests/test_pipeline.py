@@ -178,7 +178,8 @@ def check_validation(project: Path) -> None:
     # a depth, or the fit's own reason for none (a slope under 2 standard errors: two trials of a few hundred tokens
     # on a loaded machine can give it), and a depth for most cases: a broken timing path gives none anywhere
     basic = same.rule == "basic"
-    reason = np.where(basic, same.note.fillna("") + same.note_t_basic.fillna(""), same.note_eq10.fillna("") + same.note_t_eq10.fillna(""))
+    reason = np.where(basic, same.note.fillna("") + same.note_t_basic.fillna(""),
+                      same.note_eq10.fillna("") + same.note_t_eq10.fillna(""))
     assert ((rule_L > 0) | (reason != "")).all() and (rule_L > 0).mean() >= 0.5, same
     assert (pd.notna(rule_P_ne) | explained | ~(rule_L > 0)).all(), same
     for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
