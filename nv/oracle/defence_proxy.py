@@ -115,17 +115,6 @@ def _known(obj, level: str):
 def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dict:
     """A chat or completions reply as the defended API returns it: only its known fields, every log-prob defended."""
     reply = _known(reply, "reply")
-    if isinstance(reply.get("choices"), list):
-        reply["choices"] = [_known(c, "choice") for c in reply["choices"]]
-        for choice in reply["choices"]:
-            if isinstance(choice, dict) and isinstance(choice.get("logprobs"), dict):
-                lp = choice["logprobs"] = _known(choice["logprobs"], "logprobs")
-                for part in ("content", "refusal"):
-                    if isinstance(lp.get(part), list):
-                        lp[part] = [_known(e, "entry") for e in lp[part]]
-                        for e in lp[part]:
-                            if isinstance(e, dict) and isinstance(e.get("top_logprobs"), list):
-                                e["top_logprobs"] = [_known(t, "entry") for t in e["top_logprobs"]]
     noise: dict[tuple, float] = {}
 
     def value(y, key: tuple):
@@ -142,14 +131,20 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                     entry["logprob"] = value(entry.get("logprob"), (*where, i, token))
 
     prompt_logprobs(reply.get("prompt_logprobs"), ("prompt",))
-    for c, choice in enumerate(reply.get("choices") or []):
+    choices = reply.get("choices") or []
+    for c, choice in enumerate(choices):
+        choice = choices[c] = _known(choice, "choice")
         prompt_logprobs(choice.get("prompt_logprobs"), ("prompt", c))
-        lp = choice.get("logprobs")
-        if not isinstance(lp, dict):
+        if not isinstance(choice.get("logprobs"), dict):
             continue
+        lp = choice["logprobs"] = _known(choice["logprobs"], "logprobs")
         for part in ("content", "refusal"):  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+            if isinstance(lp.get(part), list):
+                lp[part] = [_known(entry, "entry") for entry in lp[part]]
             for i, entry in enumerate(lp.get(part) or []):
                 entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("token")))
+                if isinstance(entry.get("top_logprobs"), list):
+                    entry["top_logprobs"] = [_known(top, "entry") for top in entry["top_logprobs"]]
                 for top in entry.get("top_logprobs") or []:
                     top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("token")))
         if lp.get("token_logprobs") is not None:  # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]
