@@ -98,7 +98,6 @@ def main() -> int:
         print(f"{path.stem[7:]:<22} {report['N']:>9,} {report['D_prime']:>6,} x {report['common_set_size']:<6,} "
               f"{robust + f' ({d})':>12} {paper:>16} {report['tokens']:>8.2g} {plan:>21} "
               f"{wall / 60:>5.1f} m {rss:>6.2f} G", flush=True)
-        del S  # before the next shape's sample is loaded
     return verdict(wrong)
 
 

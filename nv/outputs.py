@@ -54,6 +54,13 @@ def read_npz(path: str | Path, stage: str | None = None) -> dict[str, np.ndarray
                       f"{_rerun(path, stage)}") from None
 
 
+def json_value(value):
+    """A table cell as a JSON value: NaN or inf (no estimate) as null, numpy scalars as Python numbers."""
+    if isinstance(value, float | np.floating) and not np.isfinite(value):
+        return None
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def write_json(path: str | Path, value) -> None:
     """``value`` as indented JSON in ``path``, replaced whole (a temporary file, then a rename): a reader, or a run
     stopped mid-write, never sees half a file."""

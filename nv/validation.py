@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.outputs import read_json
+from nv.outputs import json_value, read_json
 from nv.overall import with_trials
 from nv.phase2.fit import total_params
 from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_scores
@@ -209,19 +209,12 @@ def metrics(cases: pd.DataFrame, cover: dict, reference_platform: str) -> dict:
         main = rows[(rows.setup == "F") & (rows.platform == reference_platform)]
         if main.empty:
             continue
-        entry = {k: _py(main.iloc[0][k]) for k in METRIC_KEYS}
+        entry = {k: json_value(main.iloc[0][k]) for k in METRIC_KEYS}
         for r in rows.itertuples():
             if (r.setup, r.platform) != ("F", reference_platform):
-                entry[f"{r.setup}_{r.platform}"] = {"L_hat": _py(r.L_hat), "L_err": _py(r.L_err), "P_hat": _py(r.P_hat), "P_err": _py(r.P_err),
-                                                    "rule": r.rule}
+                entry[f"{r.setup}_{r.platform}"] = {k: json_value(getattr(r, k)) for k in ("L_hat", "L_err", "P_hat", "P_err")} | {"rule": r.rule}
         models.append(entry)
     return {"models": models, "coverage": cover}
-
-
-def _py(value):
-    if isinstance(value, float | np.floating):
-        return float(value) if np.isfinite(value) else None
-    return value.item() if isinstance(value, np.generic) else value
 
 
 TABLE = {"model": "model", "setup": "references", "calibration": "timing calibration", "d_true": "d", "d_hat_raw": "d_hat raw",

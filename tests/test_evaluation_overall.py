@@ -168,7 +168,7 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         path.write_bytes(damaged)  # one line, not a UnicodeDecodeError
         with pytest.raises(NVError, match=reason):
             load_calibration(path)
-    with pytest.raises(NVError, match="timing calibration not found: .*run `dvc repro timing_fit`"):
+    with pytest.raises(NVError, match=r"missing .*nowhere\.json: rerun `dvc repro timing_fit`"):
         load_calibration(tmp_path / "nowhere.json")
     old = {k: v for k, v in cal.items() if k not in ("prefill", "q_L_basic")}  # one written before the intervals
     path.write_text(json.dumps(old))

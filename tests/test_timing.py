@@ -3,6 +3,7 @@ family (nv.models.reference_family) and the leave-one-out evaluation (nv.phase2.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import tempfile
@@ -287,9 +288,7 @@ def test_timings_that_do_not_grow_are_reported_and_drawn_not_fatal(tmp_path):
 def test_real_timing_through_a_llamacpp_server(lm32):
     """Both timed models of a cross-platform run on the real llama.cpp server (HTTP, 127.0.0.1):
     the embedded GGUF target and a random-weight reference written as GGUF on the fly."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         pytest.fail("llama-cpp-python[server] is not installed: `make server` (or `make test`) installs it")
     from nv.models.loading import embedded_gguf
     from nv.phase2.platforms import TimedModel, platform_oracle

@@ -49,7 +49,6 @@ import numpy as np
 from nv.errors import NVError
 from nv.oracle.base import Oracle, Samples, TimedCall, check_sampling
 from nv.oracle.http import HTTPOracle
-from nv.oracle.multinomial import multinomial_counts
 from nv.oracle.simulator import Simulator, log_softmax
 from nv.params import check_section
 
@@ -237,9 +236,9 @@ class DefendedOracle(Oracle):
     """``oracle`` behind ``defence``: the same interface, the same §5 cost counter (``cost`` is the
     wrapped backend's), every random step seeded from ``seed``.
 
-    Truncation is sampled here from the simulator's white-box distributions, or sent to an HTTP endpoint
-    as its own request fields (set on the wrapped client, so every request carries them); any other
-    backend, or padding without the simulator's tokenizer, is refused.
+    Truncation is drawn by the simulator from its white-box distributions truncated here (``Simulator.sample``'s
+    ``law``), or sent to an HTTP endpoint as its own request fields (set on the wrapped client, so every request
+    carries them); any other backend, or padding without the simulator's tokenizer, is refused.
     """
 
     def __init__(self, oracle: Oracle, defence: Defence, seed: int) -> None:
@@ -272,8 +271,8 @@ class DefendedOracle(Oracle):
     def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
         check_sampling(n, temperature, prompts, seeds)
         served = self.served_temperature(temperature)
-        if self.defence.truncates and isinstance(self.inner, Simulator):
-            raw = self._sample_truncated(prompts, n, served, seeds)
+        if self.defence.truncates and isinstance(self.inner, Simulator):  # drawn from the truncated distribution
+            raw = self.inner.sample(prompts, n, served, seeds, law=lambda z: served_log_probs(z, served, self.defence))
         else:
             raw = self.inner.sample(prompts, n, served, seeds)
         return [self._report(s, np.random.default_rng(_seed_sequence(self.seed, _NOISE, seed)))
@@ -318,19 +317,3 @@ class DefendedOracle(Oracle):
         if withheld == "nan":
             return Samples(s.token_ids, np.where(below, np.nan, y), s.counts, s.prompt_tokens)
         return Samples(s.token_ids[~below], y[~below], s.counts[~below], s.prompt_tokens)
-
-    def _sample_truncated(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
-        """The simulator's ``sample`` with draws from the truncated, renormalised distribution (same seeds,
-        same charge: prompt tokens x n calls); the log-prob reported is the simulator's untruncated one."""
-        sim: Simulator = self.inner
-        out = []
-        for z, prompt, seed in zip(sim.logits(prompts), prompts, seeds):
-            y_tau = log_softmax(z / temperature)
-            q = np.exp(served_log_probs(z, temperature, self.defence))
-            counts = multinomial_counts(np.random.default_rng(seed), n, q)
-            idx = np.flatnonzero(counts)
-            y = y_tau if sim.logprob_mode == "processed" else log_softmax(z)
-            ell = sim.format.prompt_tokens(prompt)
-            out.append(Samples(idx, y[idx], counts[idx], ell))
-            sim.cost.charge(ell, calls=n)
-        return out

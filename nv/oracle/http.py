@@ -639,8 +639,8 @@ class HTTPOracle(Oracle):
                 last, wait = exc.reason, exc.retry_after
             else:
                 if timed:
-                    usage = data.get("usage") if isinstance(data, dict) else None
                     try:
+                        usage = data["usage"]
                         return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
                     except (KeyError, TypeError, ValueError, AttributeError):
                         raise NVError(f"reply has no usage.prompt_tokens count: {canonical(data)[:200]}") from None

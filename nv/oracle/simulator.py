@@ -25,7 +25,7 @@ with a fresh random prefix per trial).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -104,13 +104,16 @@ class Simulator(Oracle):
 
     # -- API view ---------------------------------------------------------------------------
 
-    def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence) -> list[Samples]:
+    def sample(self, prompts: Sequence[str], n: int, temperature: float, seeds: Sequence,
+               law: Callable[[np.ndarray], np.ndarray] | None = None) -> list[Samples]:
+        """``law`` maps the logits z to the log-probs the draws follow (default y(tau) = log_softmax(z / tau); a
+        defence's truncated distribution: ``DefendedOracle``); the log-prob reported is y(tau) or the raw one."""
         check_sampling(n, temperature, prompts, seeds)
         out = []
         for batch, batch_seeds in zip(self._batches(prompts), self._batches(seeds)):
             for z, ell, seed in zip(*self._forward(batch, keep=True), batch_seeds):
                 y_tau = log_softmax(z / temperature)
-                counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau))
+                counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(y_tau if law is None else law(z)))
                 idx = np.flatnonzero(counts)
                 y = y_tau if self.logprob_mode == "processed" else log_softmax(z)
                 out.append(Samples(idx, y[idx], counts[idx], ell))

@@ -19,15 +19,13 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.outputs import read_json
+from nv.outputs import json_value, read_json
 from nv.phase2.fit import (
     Timings,
     attention_regime,
     cross_platform_depth,
-    depth_basic,
-    depth_basic_t,
+    depths,
     relative_error,
-    t_statistic,
     total_params,
 )
 
@@ -121,12 +119,11 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
     except NVError as exc:  # a fit that cannot give a depth is reported, not fatal
         return row | {"note": str(exc)}
     beta, alpha = est.reference.slope, est.reference.intercept
-    fit = (est.k * beta, alpha, d_hat, target.ell, target.T, target.sigma)
-    basic = depth_basic(*fit)
+    both = depths(beta, alpha, est.k, d_hat, target.ell, target.T, target.sigma, est.gamma_g)
+    (basic, t), (eq10, t_eq10) = both["basic"], both["eq10"]
     return (row | {"beta": beta, "alpha": alpha, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
-                   "gamma_g": est.gamma_g.slope, "k": est.k, "t": depth_basic_t(*fit),
-                   "t_eq10": t_statistic(est.gamma_g.slope, est.gamma_g.slope_se), "note": ""}
-            | depth_fields(g, d_hat, basic, timing, "") | depth_fields(g, d_hat, est.L_hat, timing, "_eq10"))
+                   "gamma_g": est.gamma_g.slope, "k": est.k, "t": t, "t_eq10": t_eq10, "note": ""}
+            | depth_fields(g, d_hat, basic, timing, "") | depth_fields(g, d_hat, eq10, timing, "_eq10"))
 
 
 def evaluate(records: dict[str, list[dict]], timing: dict) -> pd.DataFrame:
@@ -154,17 +151,10 @@ def metrics(table: pd.DataFrame, timing: dict) -> dict:
     target = table[table.role == "target"]
     refs = table[table.role == "reference"].groupby("calibration")
     return {
-        "target": [{k: _json(row.get(k)) for k in METRIC_KEYS} for row in target.to_dict("records")],
-        "references_mean": {c: {"L_err": _json(g.L_err.mean()), "P_err_registry_raw": _json(g.P_err_registry_raw.mean()),
-                                "P_err_paper_raw": _json(g.P_err_paper_raw.mean()), "L_err_eq10": _json(g.L_err_eq10.mean()),
-                                "models": len(g), "failed": int(g.L_hat.isna().sum())} for c, g in refs},
+        "target": [{k: json_value(row.get(k)) for k in METRIC_KEYS} for row in target.to_dict("records")],
+        "references_mean": {c: {k: json_value(g[k].mean()) for k in ("L_err", "P_err_registry_raw", "P_err_paper_raw", "L_err_eq10")}
+                            | {"models": len(g), "failed": int(g.L_hat.isna().sum())} for c, g in refs},
         "platforms": timing["platforms"],
         "discard": timing["discard"],
     }
 
-
-def _json(value):
-    """NaN (no estimate) as null; numpy scalars as Python numbers."""
-    if isinstance(value, float | np.floating) and not np.isfinite(value):
-        return None
-    return value.item() if isinstance(value, np.generic) else value

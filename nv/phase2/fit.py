@@ -177,6 +177,16 @@ def depth_basic_t(beta: float, alpha: float, d_hat: float, ell: np.ndarray, T: n
     return t_statistic(L_hat, float(np.sqrt(s2 / np.sum(w * x * x))))
 
 
+def depths(beta: float, alpha: float, k: float, d_hat: float, ell: np.ndarray, T: np.ndarray, sigma: np.ndarray,
+           gamma_g: LineFit) -> dict[str, tuple[float, float]]:
+    """One model's depth by both of the paper's estimators, each with its t-statistic: ``basic`` (§4.2; Eq. 9 across
+    platforms), its attention-regime timings solved for L in T = k beta L ell^2 d_hat + alpha, and ``eq10``,
+    gamma_g / (k beta) (Eq. 10) from its own free-intercept fit ``gamma_g``."""
+    fit = (k * beta, alpha, d_hat, ell, T, sigma)
+    return {"basic": (depth_basic(*fit), depth_basic_t(*fit)),
+            "eq10": (infer_depth(gamma_g.slope, beta, k), t_statistic(gamma_g.slope, gamma_g.slope_se))}
+
+
 def t_statistic(value: float, se: float) -> float:
     """value / se; +-inf for an exact fit (se = 0: quantised or noise-free timings), NaN for 0 / 0."""
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -23,8 +23,7 @@ import numpy as np
 from nv.oracle.base import Oracle
 from nv.phase2 import prefill
 from nv.phase2.calibration import ERROR_KEYS
-from nv.phase2.fit import (attention_regime, depth_basic, depth_basic_t, fit_gamma, infer_depth, sweep_lengths, t_statistic,
-                          total_params)
+from nv.phase2.fit import attention_regime, depths, fit_gamma, sweep_lengths, total_params
 from nv.phase2.intervals import ESTIMATORS, MIN_T, choose_rule, estimates, significant
 from nv.phase2.protocol import collect_timings, summarize
 
@@ -71,9 +70,8 @@ def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal:
     scale by k, the fixed overhead a does not."""
     ell_a, T_a, sigma_a = attention_regime(ell, T, sigma, cal["discard"])
     gamma = fit_gamma(np.full(len(ell_a), float(d_hat)), ell_a, T_a, sigma_a)
-    basic = (k * cal["beta"], cal["alpha"], d_hat, ell_a, T_a, sigma_a)
-    raw = {"basic": depth_basic(*basic), "eq10": infer_depth(gamma.slope, cal["beta"], k)}
-    t = {"basic": depth_basic_t(*basic), "eq10": t_statistic(gamma.slope, gamma.slope_se)}
+    both = depths(cal["beta"], cal["alpha"], k, d_hat, ell_a, T_a, sigma_a, gamma)
+    raw, t = ({name: pair[i] for name, pair in both.items()} for i in (0, 1))
     L_hat = {name: significant(raw[name], t[name]) for name in ESTIMATORS}
     rule = choose_rule({name: _inf(cal[f"score_{name}"]) for name in ESTIMATORS}, {ESTIMATORS[n]: v for n, v in L_hat.items()})
     fit = cal["prefill"]

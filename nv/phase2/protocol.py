@@ -214,8 +214,9 @@ def summarize(rows: list[LengthTimings], trim: float = 0.1) -> dict[str, np.ndar
     if not rows or rows[0].target != BASELINE:
         raise NVError("timing rows must start with the ell = 1 baseline")
     baseline, rest = rows[0], rows[1:]
-    if len({len(r.seconds) for r in rows}) > 1:
-        raise NVError(f"timing rows differ in their number of trials ({sorted({len(r.seconds) for r in rows})}): "
+    counts = sorted({len(r.seconds) for r in rows})
+    if len(counts) > 1:
+        raise NVError(f"timing rows differ in their number of trials ({counts}): "
                       "a damaged record; rerun its timing stage")
     T, sigma = prefill_times(np.array([r.seconds for r in rest]), np.array(baseline.seconds), trim)
     ell = np.array([np.mean(r.ell) for r in rest])
