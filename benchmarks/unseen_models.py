@@ -7,7 +7,7 @@ tokens, the planner's ratio, wall time and the command's peak RSS; exits 1 when 
 lower bound at most d is not wrong). The planner's factor 2 is reported MET or MISSED, not failed.
 
 Run: python benchmarks/unseen_models.py [--shape D,L,N_KV,D_FFN ...] [--seed S] [--work DIR] (not in ``make bench``:
-~3-7 min, ~5.5 GB of memory and ~4 GB of disk a shape here). The weights are drawn with --seed (default 1): the timing stages draw their
+~4-7 min, ~3.5 GB of memory and ~2 GB of disk a shape here). The weights are drawn with --seed (default 1): the timing stages draw their
 reference family with params.yaml's seed (0), so the default files hold weights no stage has seen. A shape's GGUF and
 run folder (report, sample) are kept under --work; the rounds' checkpoints go once the attack has finished (an
 interrupted attack resumes from them).
