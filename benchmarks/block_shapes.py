@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nv.errors import run_main
 from nv.params import load_params
 from nv.phase1.exactness import edge_ratio, outcome
 from nv.phase1.pipeline import common_set, estimate_on
@@ -57,7 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml", ["spectrum"])
     S = load_samples(args.samples)
-    S = S.subsample(args.N, params["seed"]) if args.N < S.N else S
+    S = S.subsample(args.N, params["seed"])  # one line if N is past the sample's own
     print(f"{S.D:,} prompts x N = {S.N:,}; true d = {args.d}")
     print(f"{'block':<34} {'D_prime':>8} {'C':>7} {'R':>7}  robust")
     wrong = []
@@ -72,7 +73,7 @@ def main() -> int:
 
     for w in (float(x) for x in args.weights.split(",")):
         report(f"greedy pruning, row weight {w:g}", greedy_prune(S.counts, row_weight=w))
-    sizes, order = drop_path(S, min_rows=1000)
+    sizes, order = drop_path(S, min_rows=min(1000, max(2, S.D // 3)))  # down to 1,000 prompts, a third of a smaller sample
     k = int(np.argmax(edge_ratio(sizes[:, 0], sizes[:, 1])))
     rows = np.setdiff1d(np.arange(S.D), order[:k])
     cols = np.flatnonzero(np.asarray((S.counts[rows] > 0).sum(axis=0)).ravel() == rows.size)
@@ -82,4 +83,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -57,7 +57,7 @@ def main() -> int:
           f"{spectrum['incomplete']}")
     rows, wrong = [], []
     for N in args.N:
-        thinned = S.subsample(N, params["seed"]) if N < S.N else S
+        thinned = S.subsample(N, params["seed"])  # one line if N is past the sample's own
         for D in sorted(args.D or [S.D], reverse=True):
             reset_peak_rss()
             start = time.perf_counter()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nv.errors import run_main
 from nv.params import load_params
 from nv.phase1.exactness import edge_ratio, noise_edge, outcome
 from nv.phase1.pipeline import common_set, estimate_on
@@ -65,7 +66,7 @@ def main() -> int:
     d, wrong = args.d, []
     print(f"{S.D:,} prompts, tau = {S.temperature:g}; true d = {d}; sigma_i / edge at i = {d - 4} .. {d + 2}")
     for N in args.N:
-        T = S.subsample(N, params["seed"]) if N < S.N else S
+        T = S.subsample(N, params["seed"])  # one line if N is past the sample's own
         Y = common_set(T, greedy_prune(T.counts)).Y
         del T
         sigma_e, shares = grid_sigma(Y, S.temperature)
@@ -88,4 +89,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
