@@ -177,9 +177,8 @@ def check_validation(project: Path) -> None:
     rule_P_ne = np.where(same.rule == "basic", same.P_ne_hat_basic, same.P_ne_hat_eq10)
     # a depth, or the fit's own reason for none (a slope under 2 standard errors: two trials of a few hundred tokens
     # on a loaded machine can give it), and a depth for most cases: a broken timing path gives none anywhere
-    basic = same.rule == "basic"
-    reason = np.where(basic, same.note.fillna("") + same.note_t_basic.fillna(""),
-                      same.note_eq10.fillna("") + same.note_t_eq10.fillna(""))
+    basic, text = same.rule == "basic", lambda notes: notes.astype(object).fillna("")  # an all-empty column reads as float
+    reason = np.where(basic, text(same.note) + text(same.note_t_basic), text(same.note_eq10) + text(same.note_t_eq10))
     assert ((rule_L > 0) | (reason != "")).all() and (rule_L > 0).mean() >= 0.5, same
     assert (pd.notna(rule_P_ne) | explained | ~(rule_L > 0)).all(), same
     for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
