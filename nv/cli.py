@@ -87,7 +87,7 @@ def attack(args: argparse.Namespace) -> int:
         if args.defence:
             raise NVError("--defence applies to --simulate only (a live endpoint's defences are its provider's)")
         return attack_live(args)
-    params = load_params(args.params, PHASE1_SECTIONS + ["defence"])
+    params = load_params(params_file(args), PHASE1_SECTIONS + ["defence"])
     overrides = defence_overrides(params["defence"], args.defence)
     out = _writable(Path(args.out))
     # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
@@ -130,7 +130,7 @@ def attack_live(args: argparse.Namespace) -> int:
         raise NVError(f"{', '.join(timing_given)}: phase 2's options, they need --timing-calibration FILE")
     for dest, value in TIMING_DEFAULTS.items():
         setattr(args, dest, value if getattr(args, dest) is None else getattr(args, dest))
-    params = load_params(args.params, PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
+    params = load_params(params_file(args), PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
     from nv import live  # after the input is checked (see attack)
     from nv.oracle.http import Budget
 
@@ -155,32 +155,46 @@ def attack_live(args: argparse.Namespace) -> int:
     return 0
 
 
+def params_file(args: argparse.Namespace) -> str:
+    """``--params``, else the current folder's params.yaml (a one-line error where there is none)."""
+    if args.params is None and not Path("params.yaml").is_file():
+        raise NVError("no params.yaml in the current folder: run from the project root or give --params PATH")
+    return args.params or "params.yaml"
+
+
 def defend(args: argparse.Namespace) -> int:
     """``nv defend``: the defended reverse proxy (``nv.oracle.defence_proxy``) until interrupted."""
     from nv.oracle.defence import Defence
     from nv.oracle.defence_proxy import serve
 
-    params = load_params(args.params, ["defence"])
+    params = load_params(params_file(args), ["defence"])
     serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), params["seed"], args.timeout)
     return 0
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
 def _count(text: str) -> int:
-    value = float(text)
+    value = _number(text)
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
     return int(value)
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
 def _amount(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -216,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
     p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="with --simulate: switch on a provider defence (params.yaml section defence), e.g. round_decimals=1")
-    p.add_argument("--params", default="params.yaml", help="params file (sections model, search, sampling, spectrum; live with --base-url)")
+    p.add_argument("--params", help="params file (sections model, search, sampling, spectrum; live with --base-url); default: "
+                   "the current folder's params.yaml")
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     d = sub.add_parser("defend", help="serve an OpenAI-compatible proxy on 127.0.0.1 that applies the provider defences")
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable")
     d.add_argument("--timeout", type=_positive, default=600.0, metavar="S",
                    help="seconds to wait for the upstream's reply before answering 504 (default 600)")
-    d.add_argument("--params", default="params.yaml", help="params file (sections defence and seed)")
+    d.add_argument("--params", help="params file (sections defence and seed); default: the current folder's params.yaml")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
     return run_main(lambda: attack(args) if args.command == "attack" else defend(args))
 

@@ -42,6 +42,7 @@ from dataclasses import asdict
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
+from scipy.optimize import lsq_linear
 
 from nv.errors import NVError
 from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
@@ -207,16 +208,22 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
 # -- phase 2 -------------------------------------------------------------------------------------------
 
 def _latency_curve(record: dict):
-    """The target's mean measured latency as a function of prompt tokens (piecewise linear, linear beyond the ends)."""
+    """The target's undefended latency as a function of prompt tokens, one model for the defended trials and the
+    price: its mean measured latencies joined piecewise linearly, beyond the longest the rise of the prefill law
+    a + b ell + c ell^2 (b, c >= 0) fitted to them (a padded prefill's ell^2 attention included; a last segment's own
+    slope, noisy and possibly negative, would make a padded prompt faster); with the slope of a line through them
+    (the attacker's ``dither_tokens``)."""
     ell = np.array([np.mean(r["ell"]) for r in record["rows"]])
     t = np.array([np.mean(r["seconds"]) for r in record["rows"]])
     order = np.argsort(ell)
     ell, t = ell[order], t[order]
-    slope_hi = (t[-1] - t[-2]) / (ell[-1] - ell[-2])
+    u = ell / ell[-1]  # the law in units of the longest length, for a well-conditioned fit
+    _, b, c = lsq_linear(np.stack([np.ones_like(u), u, u**2], axis=1), t, bounds=([-np.inf, 0, 0], np.inf)).x
 
     def curve(x):
         x = np.asarray(x, dtype=np.float64)
-        return np.where(x > ell[-1], t[-1] + slope_hi * (x - ell[-1]), np.interp(x, ell, t))
+        v = x / ell[-1]
+        return np.where(x > ell[-1], t[-1] + b * (v - 1) + c * (v**2 - 1), np.interp(x, ell, t))
     return curve, float(np.polyfit(ell, t, 1)[0])
 
 
@@ -292,7 +299,6 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
     recs = records[platform]
     target = next(r for r in recs if r["role"] == "target")
     curve, s_per_token = _latency_curve(target)
-    honest = curve(price_tokens)
     rows = []
     for knob, value in knobs:
         if knob not in TIMING_KNOBS and knob != "none":
@@ -312,7 +318,7 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
                          "L_hat": est.get("L_hat", np.nan), "L_err": L_err, "P_hat": est.get("P_hat_registry_raw", np.nan),
                          "P_err": est.get("P_err_registry_raw", np.nan), "note": est.get("note", ""),
                          "outcome": "works" if abs(L_err) <= L_tolerance else "stopped",
-                         "added_ms": mean_added_latency_ms(defence, honest, price_tokens, s_per_token, seed)})
+                         "added_ms": mean_added_latency_ms(defence, price_tokens, curve, seed)})
     return pd.DataFrame(rows)
 
 

@@ -156,7 +156,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
     adaptive = _format_rounds(p["rounds"], budget, p.get("phase2")) if p["adaptive"] else ""
     return (
-        f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent):\n"
+        f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent; the endpoint, the model "
+        "and --out are checked when the attack starts):\n"
         f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
         f"  sampling          D = {s['D']:,} prompts x N = {p['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}{adaptive}\n"
         f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} sample{'s' * (live['n_per_request'] > 1)} "

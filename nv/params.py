@@ -11,6 +11,7 @@ import math
 import re
 
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import yaml
@@ -297,7 +298,8 @@ def _check(name: str, section: dict, schema: dict, where: str = "params") -> dic
         if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
             raise NVError(f"{where}: '{name}.{key}' must be {_type_name(types)}, got bool {value!r}")
         if not isinstance(value, types):
-            raise NVError(f"{where}: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} {value!r}")
+            raise NVError(f"{where}: '{name}.{key}' must be {_type_name(types)}, got {type(value).__name__} "
+                          f"{value!r}{_number_as_text(value)}")
         if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf and .nan: no setting means them
             raise NVError(f"{where}: '{name}.{key}' must be a finite number, got {value!r}")
         if ok is not None and not ok(value):
@@ -305,9 +307,20 @@ def _check(name: str, section: dict, schema: dict, where: str = "params") -> dic
     return section
 
 
+def _number_as_text(value) -> str:
+    """A hint for a number YAML 1.1 reads as text (``1e6``: an exponent needs a dot there), else ''."""
+    try:
+        number = Decimal(value.strip()) if isinstance(value, str) else None
+    except InvalidOperation:
+        return ""
+    if number is None or not number.is_finite():
+        return ""
+    return f" (YAML reads {value} as text: write {format(number, 'f')})"
+
+
 def _type_name(types) -> str:
     types = types if isinstance(types, tuple) else (types,)
-    return " or ".join(t.__name__ for t in types)
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -116,6 +116,8 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         (["--base-url", "http://127.0.0.1:70000/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "p")],
          "the port must be a number in 1-65535"),
         (["--base-url", "http://", "--model", "x", "--params", str(params), "--out", str(tmp_path / "h")], "names no host"),
+        (["--base-url", "127.0.0.1:9/v1", "--model", "x", "--params", str(params), "--out", str(tmp_path / "s")],
+         "must start with http:// or https://"),
         (["--simulate", str(tmp_path), "--params", str(params)], "has no config.json"),
         (["--simulate", str(folder_gguf), "--params", str(params)], "is a folder, not a GGUF file"),
         # options of a live endpoint given to a simulated attack, or phase 2's without its calibration: refused before
@@ -134,9 +136,18 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().startswith("error:") and message in proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    elsewhere = tmp_path / "elsewhere"  # outside the project: no params.yaml
+    elsewhere.mkdir()
+    for command in (["attack", "--simulate", "embedded"], ["defend", "--upstream", "http://127.0.0.1:9", "--port", "9"]):
+        proc = subprocess.run(NV + command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
+        assert proc.returncode == 2 and proc.stderr == ("error: no params.yaml in the current folder: run from the project "
+                                                        "root or give --params PATH\n"), proc.stderr
     proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "inf"],
                           capture_output=True, text=True, timeout=300)  # argparse's own usage line, then the reason
     assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a whole number >= 0, got inf") and "Traceback" not in proc.stderr
+    proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "abc"],
+                          capture_output=True, text=True, timeout=300)  # not "invalid _count value"
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("--budget-tokens: must be a number, got 'abc'"), proc.stderr
     for k in ("0", "nan", "-1"):  # read with the arguments, not after phase 1 has paid for its calls
         proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--timing-k", k],
                               capture_output=True, text=True, timeout=300)

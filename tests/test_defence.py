@@ -23,6 +23,7 @@ from nv.oracle.defence import (
     round_to_format,
     sampling_price,
     served_log_probs,
+    listed_survivors,
     truncation_mask,
 )
 from nv.oracle.http import HTTPOracle
@@ -170,6 +171,30 @@ def test_truncation_mask_follows_its_definition(top_k, top_p, min_p):
     assert truncation_mask(np.array([0.4, 0.3, 0.2, 0.1]), top_p=0.5, min_p=0.6).tolist() == [True, False, False, False]
 
 
+@pytest.mark.parametrize("top_k, top_p, min_p", [(10, None, None), (None, 0.7, None), (None, None, 0.05),
+                                                  (30, 0.9, None), (30, 0.9, 0.02), (None, 0.5, 0.6)])
+def test_a_top_list_keeps_what_the_truncation_could_draw_and_never_more(top_k, top_p, min_p):
+    """``listed_survivors`` on a server's top list (the most likely tokens, shuffled as a reply may order them) is
+    ``truncation_mask`` on the whole distribution wherever the list holds what top-p is renormalised over: exact for
+    top-k or min-p alone and for top-p alone at any length (the list's missing mass is the rest of the vocabulary),
+    with top-p beside them once the list holds every top-k and min-p survivor; short of it, a subset (never a token
+    the sampler could not draw)."""
+    defence = Defence(top_k=top_k, top_p=top_p, min_p=min_p)
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        p = np.exp(log_softmax(rng.normal(0, 2, 300)))
+        truth = truncation_mask(p, top_k, top_p, min_p)
+        order = np.argsort(-p)
+        for length in (1, 5, 20, 60, 300):
+            listed = rng.permutation(order[:length])
+            kept = listed_survivors(np.log(p[listed]), defence)
+            assert not np.any(kept & ~truth[listed])  # never more
+            before_top_p = truncation_mask(p, top_k, None, min_p)
+            if top_p is None or (top_k is None and min_p is None) or not before_top_p[order[length:]].any():
+                assert np.array_equal(kept, truth[listed]), (seed, length)
+    assert listed_survivors([], defence).size == 0
+
+
 def test_sampling_price_of_truncation_is_minus_log_kept_mass_and_one_minus_it():
     y = log_softmax(np.random.default_rng(4).normal(0, 2, 1000))
     defence = Defence(top_k=40, top_p=0.8)
@@ -204,7 +229,7 @@ def test_random_delays_are_seeded_and_have_the_priced_mean():
 
     a, b = added(0), added(0)
     assert np.array_equal(a, b) and not np.array_equal(a, added(1)) and a.min() >= 0
-    priced = mean_added_latency_ms(defence, [0.1, 0.2], [10, 20], 0.0)
+    priced = mean_added_latency_ms(defence, [10, 20], lambda ell: 0.1 * ell / 10)
     assert abs(priced - 15.0) < 0.3 and abs(a.mean() * 1000 - priced) < 0.3  # a / 2 + b, what the oracle adds
 
 
@@ -214,12 +239,16 @@ def test_the_latency_price_is_what_honest_calls_pay():
     to a 4,096 bucket, one of 4,096 tokens by none; with delays the quantum applies after them."""
     oracle = DefendedOracle(FixedLatency([0.073] * 10), Defence(latency_quantum_ms=500), seed=0)
     assert oracle.time_request("x").seconds == 0.5
-    assert mean_added_latency_ms(Defence(latency_quantum_ms=500), [0.073], [35], 0.0) == pytest.approx(427.0)
-    assert mean_added_latency_ms(Defence(pad_to_tokens=4096), [0.05, 0.05], [35, 4096], 0.001) == pytest.approx(4061 / 2)
+    flat = lambda ell: np.full(np.shape(ell), 0.073)  # noqa: E731
+    assert mean_added_latency_ms(Defence(latency_quantum_ms=500), [35], flat) == pytest.approx(427.0)
+    # padded, a call is timed at its padded length: 4,061 more tokens at 1 ms, or the ell^2 of a convex curve
+    assert mean_added_latency_ms(Defence(pad_to_tokens=4096), [35, 4096], lambda ell: 0.001 * ell) == pytest.approx(4061 / 2)
+    convex = lambda ell: 1e-7 * np.asarray(ell, dtype=float) ** 2  # noqa: E731
+    assert mean_added_latency_ms(Defence(pad_to_tokens=4096), [35], convex) == pytest.approx(1e-4 * (4096**2 - 35**2))
     both = Defence(delay_uniform_ms=300.0, latency_quantum_ms=100)
     timed = DefendedOracle(FixedLatency([0.073] * 20_000), both, seed=3)
     measured = 1000 * (np.mean([timed.time_request("x").seconds for _ in range(20_000)]) - 0.073)
-    assert abs(mean_added_latency_ms(both, [0.073], [35], 0.0) - measured) < 2.0
+    assert abs(mean_added_latency_ms(both, [35], flat) - measured) < 2.0
 
 
 # -- the wrapper around the real simulator ------------------------------------------------------------
@@ -320,6 +349,15 @@ def test_a_defence_the_backend_cannot_honour_is_refused_in_one_line():
         assert http.extra_body == {"top_k": 40, "top_p": 1.0, "repeat_penalty": 1.0, "min_p": 0.05}
     finally:
         http.close()
+    # an endpoint's top list is not cut by its sampler (llama.cpp lists the whole head): refused, not served untruncated
+    listing = HTTPOracle("http://127.0.0.1:9/v1", "m", top_logprobs=5)
+    try:
+        with pytest.raises(NVError, match="top list is not truncated") as err:
+            DefendedOracle(listing, Defence(top_k=40), seed=0)
+        assert "\n" not in str(err.value)
+        DefendedOracle(listing, Defence(round_decimals=1), seed=0)  # nothing truncates: the list is defended as it is
+    finally:
+        listing.close()
 
 
 # -- params and the command line ----------------------------------------------------------------------

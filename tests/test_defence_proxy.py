@@ -19,7 +19,7 @@ from nv.cli import defence_overrides
 from nv.errors import NVError
 from nv.models.llama_server import free_port
 from nv.oracle.defence import Defence
-from nv.oracle.defence_proxy import check_upstream, defend_request, make_app
+from nv.oracle.defence_proxy import check_upstream, defend_reply, defend_request, make_app
 
 RAW = -1.533190369606018
 CHAT = {"choices": [{"logprobs": {"content": [{"token": "a", "logprob": RAW, "top_logprobs": [
@@ -161,6 +161,37 @@ def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncatio
     assert defend_request({"temperature": 0.8}, Defence()) == {"temperature": 0.8}  # no knob: untouched
     with pytest.raises(NVError, match="'temperature' must be a number, got True"):
         defend_request({"temperature": True}, defence)
+
+
+def test_truncation_closes_the_ways_around_it():
+    """With top_k/top_p/min_p on, a client must not draw or read what the truncation hides: a logit bias or a
+    penalty (moving a tail token into the kept set), echo, prompt_logprobs and beam search are refused unless
+    neutral (the attack's own repeat_penalty 1 passes), and a reply's top list (chat and completions) is cut to the
+    tokens the sampler could have drawn, the sampled one always kept; with no truncation they pass as they are."""
+    top2 = Defence(top_k=2)
+    for field, value in (("logit_bias", {"12869": 100}), ("echo", True), ("prompt_logprobs", 1), ("use_beam_search", True),
+                         ("presence_penalty", -2), ("frequency_penalty", 0.5), ("repetition_penalty", 0.5), ("repeat_penalty", 2)):
+        with pytest.raises(NVError, match=f"'{field}' not passed on while top_k/top_p/min_p is on"):
+            defend_request({"prompt": "x", field: value}, top2)
+        assert defend_request({"prompt": "x", field: value}, Defence(round_decimals=1))[field] == value
+    neutral = {"prompt": "x", "logit_bias": {}, "echo": False, "repeat_penalty": 1.0, "presence_penalty": 0}
+    assert defend_request(neutral, top2) == neutral | {"top_k": 2}
+
+    p = [0.5, 0.2, 0.1, 0.05, 0.01]
+    chat = {"choices": [{"logprobs": {"content": [{"token": "d", "logprob": float(np.log(0.05)), "top_logprobs": [
+        {"token": t, "logprob": float(np.log(q))} for t, q in zip("abcde", p)]}]}}]}
+    text = {"choices": [{"logprobs": {"tokens": ["d"], "token_logprobs": [float(np.log(0.05))],
+                                      "top_logprobs": [{t: float(np.log(q)) for t, q in zip("abcde", p)}]}}]}
+
+    def listed(reply: dict, defence: Defence) -> list[str]:
+        lp = defend_reply(json.loads(json.dumps(reply)), defence, np.random.default_rng(0))["choices"][0]["logprobs"]
+        return [t["token"] for t in lp["content"][0]["top_logprobs"]] if "content" in lp else list(lp["top_logprobs"][0])
+
+    for reply in (chat, text):
+        assert listed(reply, top2) == ["a", "b", "d"]  # the top two, and the sampled token
+        assert listed(reply, Defence(top_p=0.75)) == ["a", "b", "c", "d"]  # mass before c: 0.7 < 0.75
+        assert listed(reply, Defence(min_p=0.5)) == ["a", "d"]  # p >= 0.25
+        assert listed(reply, Defence(round_decimals=1)) == list("abcde")
 
 
 def test_noise_is_one_draw_per_token_and_reply():

@@ -5,6 +5,7 @@ kill -9 change nothing in the result, nothing completed is paid twice, bad input
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -940,6 +941,15 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
                                     "--budget-calls", "45"))
     assert capped.returncode == 2 and "with phase 2's 30 timed calls needs 68 calls > --budget-calls 45" in capped.stderr
     assert not (tmp_path / "out4").exists() or not (tmp_path / "out4" / "report.json").exists()
+    # a context too short for App. D's sweep (p_max - 200) is refused before anything is paid; it used to give phase 2
+    # a negative token bound, which widened the cap phase 1 ran under (a run paid past --budget-tokens)
+    for short in ("100", "200"):
+        proc = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out7", "--timing-calibration",
+                                      str(calibration_file), "--context-length", short, "--budget-tokens", "10000"))
+        assert proc.returncode == 2 and proc.stderr == (f"error: --context-length {short} leaves no room for App. D's sweep, "
+                                                        "which stops 200 tokens short of the context: give the endpoint's "
+                                                        "own context length (default 8192)\n"), proc.stderr[-2000:]
+    assert not (tmp_path / "out7" / "journal.jsonl").exists()
     # adaptive rounds under a cap hold phase 2's share back: 70 calls would pay round 2 (phase 1 to N = 16: 70
     # requests), leaving nothing for phase 2; with its 30 held, the loop stops after round 1 (38) and phase 2 runs
     adaptive = yaml.safe_load(params.read_text())
@@ -983,26 +993,35 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
 # -- nv defend: the defended proxy in front of the real server ---------------------------------------
 
 
-@pytest.fixture()
-def defended(server, root, tmp_path):
-    """``nv defend`` (a real subprocess) in front of the llama.cpp server, log-probs rounded to 1 decimal."""
+@contextlib.contextmanager
+def nv_defend(server, root, *knobs: str):
+    """``nv defend`` (a real subprocess) in front of the llama.cpp server with ``--defence`` ``knobs``; yields its URL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nv.cli", "defend", "--upstream", server.base_url.removesuffix("/v1"),
-                             "--port", str(port), "--params", str(root / "params.yaml"), "--defence", "round_decimals=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "nv.cli", "defend", "--upstream", server.base_url.removesuffix("/v1"), "--port", str(port),
+            "--params", str(root / "params.yaml")] + [a for knob in knobs for a in ("--defence", knob)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"nv defend did not start: {proc.communicate()[1][-2000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            proc.kill()
+            pytest.fail(f"nv defend did not start: {proc.communicate()[1][-2000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture()
+def defended(server, root):
+    """``nv defend`` in front of the llama.cpp server, log-probs rounded to 1 decimal."""
+    with nv_defend(server, root, "round_decimals=1") as url:
+        yield url
 
 
 def test_defended_proxy_rounds_what_the_attack_sees(baseline, defended, server, root, tmp_path):
@@ -1030,6 +1049,21 @@ def test_defended_proxy_rounds_what_the_attack_sees(baseline, defended, server, 
     assert not np.allclose(theirs, np.round(theirs, 1), atol=1e-9)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["calls"] == baseline["report"]["calls"] and report["saturated"] is False
+
+
+def test_defended_proxy_cuts_the_real_servers_top_list_and_refuses_a_logit_bias(server, root):
+    """The llama.cpp server lists its whole head whatever its sampler truncates. Behind `nv defend --defence top_k=2`
+    a request for 20 top log-probs gets back only the two tokens top-k keeps (the sampled one among them), and a logit
+    bias, which would draw a token top-k hides with its log-prob, is refused."""
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "⠓ꦂ🜁ᚠ∰"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 20, "temperature": 2.0, "seed": 7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    head = [t["token"] for t in plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+    with nv_defend(server, root, "top_k=2") as url:
+        entry = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]["content"][0]
+        biased = httpx.post(url + "/v1/chat/completions", json=body | {"logit_bias": {"12869": 100}}, timeout=60)
+    assert len(head) > 2 and [t["token"] for t in entry["top_logprobs"]] == head[:2] and entry["token"] in head[:2]
+    assert biased.status_code == 400 and "'logit_bias' not passed on" in biased.json()["error"]["message"]
 
 
 def test_defend_bad_arguments_are_one_line(server, capsys):

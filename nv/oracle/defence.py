@@ -138,8 +138,13 @@ def reported_logprobs(y: np.ndarray, counts: np.ndarray, defence: Defence, rng: 
 
 
 def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None = None,
-                    min_p: float | None = None) -> np.ndarray:
-    """Tokens that survive min-p, top-k, then top-p on the renormalised survivors (vLLM V1's order)."""
+                    min_p: float | None = None, unlisted: float = 0.0) -> np.ndarray:
+    """Tokens that survive min-p, top-k, then top-p on the renormalised survivors (vLLM V1's order).
+
+    ``unlisted``: the probability mass of tokens outside ``p``, each less likely than any in it (``p`` a server's top
+    list, see ``listed_survivors``). It joins top-p's renormaliser only where neither min-p nor top-k is on; with
+    either, how much of it survives them is unknown and it is left out: exact where ``p`` holds all their survivors,
+    else fewer listed tokens kept, never more."""
     p = np.asarray(p, dtype=np.float64)
     order = np.argsort(-p, kind="stable")
     ps = p[order]
@@ -149,11 +154,23 @@ def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None
     if top_k is not None:
         keep[top_k:] = False
     if top_p is not None:
-        kept = np.where(keep, ps, 0.0) / ps[keep].sum()
+        rest = unlisted if min_p is None and top_k is None else 0.0
+        kept = np.where(keep, ps, 0.0) / (ps[keep].sum() + rest)
         keep &= np.cumsum(kept) - kept < top_p  # mass before the token: the crossing token is kept
     mask = np.empty_like(keep)
     mask[order] = keep
     return mask
+
+
+def listed_survivors(y: Sequence[float], defence: Defence) -> np.ndarray:
+    """Which entries of a reply's top list (log-probs ``y`` of the server's most likely tokens, any order) the
+    truncation could have drawn: ``truncation_mask`` over their probabilities, the list's missing mass 1 - sum(p)
+    ``unlisted``. Read off the reported values, so a server that truncates in another order or at another
+    temperature (llama.cpp: before it) may draw a few listed tokens more or fewer."""
+    p = np.exp(np.asarray(y, dtype=np.float64))
+    if p.size == 0:
+        return np.zeros(0, dtype=bool)
+    return truncation_mask(p, defence.top_k, defence.top_p, defence.min_p, unlisted=max(0.0, 1.0 - float(p.sum())))
 
 
 def served_log_probs(y: np.ndarray, temperature: float, defence: Defence) -> np.ndarray:
@@ -178,19 +195,19 @@ def sampling_price(y: np.ndarray, temperature: float, defence: Defence) -> dict[
     return {"kl": float(np.sum(q[on] * (log_q[on] - log_p[on]))), "tv": float(0.5 * np.abs(q - np.exp(log_p)).sum())}
 
 
-def mean_added_latency_ms(defence: Defence, latencies_s: Sequence[float], prompt_tokens: Sequence[int], s_per_token: float,
+def mean_added_latency_ms(defence: Defence, prompt_tokens: Sequence[int], latency: Callable[[np.ndarray], np.ndarray],
                           seed: int = 0, draws: int = 4096) -> float:
-    """Mean latency (ms) the timing defences add to honest calls that take ``latencies_s`` undefended, with
-    ``prompt_tokens`` each: the prompt padded to the next multiple of the bucket (``s_per_token`` per padded token),
+    """Mean latency (ms) the timing defences add to honest calls of ``prompt_tokens`` each, ``latency`` (prompt tokens
+    -> seconds) the undefended one: the prompt padded to the next multiple of the bucket (timed at the padded length),
     then the delays U(0, a) and Exp(b), then the reply held until a multiple of the quantum q, as ``DefendedOracle``
     times a call; the delays' expectation over ``draws`` seeded draws per call. (Latencies and lengths taken as
     uniform modulo q and the bucket, the added mean would be q / 2 and (bucket - 1) / 2 tokens; short calls are far
     from that: a 73 ms call pays 427 ms of a 500 ms quantum.)"""
-    T = np.asarray(latencies_s, dtype=np.float64)[:, None]
     ell = np.asarray(prompt_tokens, dtype=np.int64)[:, None]
+    T = np.asarray(latency(ell), dtype=np.float64)
     served = T.copy()
     if defence.pad_to_tokens is not None:
-        served = served + (-ell % defence.pad_to_tokens) * s_per_token
+        served = np.asarray(latency(ell + (-ell % defence.pad_to_tokens)), dtype=np.float64)
     rng = np.random.default_rng([seed, _TIMING])
     if defence.delay_uniform_ms is not None:
         served = served + rng.uniform(0.0, defence.delay_uniform_ms / 1000.0, (len(T), draws))
@@ -250,6 +267,9 @@ class DefendedOracle(Oracle):
             raise NVError(f"pad_to_tokens needs the target's tokenizer: {type(oracle).__name__} cannot honour it "
                           "(only the simulator can)")
         if defence.truncates and isinstance(oracle, HTTPOracle):
+            if oracle.top_logprobs:
+                raise NVError("top_k/top_p/min_p with live.top_logprobs > 0: an endpoint's top list is not truncated by "
+                              "its sampler; put `nv defend` in front of it, which filters the list, or set top_logprobs 0")
             oracle.extra_body = {**oracle.extra_body, **http_truncation_fields(defence)}
         self.inner = oracle
         self.defence = defence

@@ -217,7 +217,9 @@ class HTTPOracle(Oracle):
             port = 0
         if port == 0:
             raise NVError(f"base URL {base_url!r}: the port must be a number in 1-65535")
-        if parts and parts.scheme in ("http", "https") and not parts.hostname:
+        if parts and parts.scheme not in ("http", "https"):
+            raise NVError(f"base URL {base_url!r} must start with http:// or https://: give e.g. http://127.0.0.1:8080/v1")
+        if parts and not parts.hostname:
             raise NVError(f"base URL {base_url!r} names no host: give e.g. http://127.0.0.1:8080/v1")
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -481,8 +483,8 @@ class HTTPOracle(Oracle):
                     errors.append(exc)
                 if errors:
                     return
+                bar.set_postfix_str(self._spend(), refresh=False)  # before the count, which redraws the line
                 bar.update(1)
-                bar.set_postfix_str(self._spend(), refresh=False)
 
         await asyncio.gather(*(worker() for _ in range(self.limits.concurrency)))
         self.journal.sync()
@@ -645,6 +647,8 @@ class HTTPOracle(Oracle):
                     except (KeyError, TypeError, ValueError, AttributeError):
                         raise NVError(f"reply has no usage.prompt_tokens count: {canonical(data)[:200]}") from None
                 return parse_reply(data, self.chat, self.top_logprobs)
+            if self._stopping:  # interrupted: no retry, and no notice of one
+                raise _Stopped
             if attempt < self.limits.retries:
                 delay = self._backoff(attempt, wait)
                 self._notice(f"{url}: {last}; retry {attempt + 1} of {self.limits.retries} in {delay:.1f} s "

@@ -231,7 +231,8 @@ class Journal:
         diff = _first_difference(header.get("binding"), self.binding, self.unbound)
         if diff:
             self.close()
-            raise NVError(f"journal {self.path} belongs to another attack ({diff}): use a new --journal path")
+            raise NVError(f"journal {self.path} belongs to another attack ({diff}): run the new attack with its own "
+                          "--out folder (and --journal, if one was given), which keeps the earlier attack's results")
         if header.get("binding") != self.binding:
             log.info("journal %s: the same attack with %s: its paid replies are reused", self.path,
                      _first_difference(header.get("binding"), self.binding))

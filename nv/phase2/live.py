@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nv.errors import NVError
 from nv.oracle.base import Oracle
 from nv.phase2 import prefill
 from nv.phase2.calibration import ERROR_KEYS
@@ -37,6 +38,9 @@ def timing_cost(cal: dict, d_hat: int | None, p_max: int) -> dict:
     """Phase 2's requests and billed tokens on the endpoint: App. D's warm-ups (at the longest length), the ell = 1
     baseline and K trials at each length of the sweep of d_hat, one output token each. Without d_hat (phase 1 finds
     it) a bound: every length at the longest any sweep reaches, p_max - 200."""
+    if p_max <= 200:
+        raise NVError(f"--context-length {p_max} leaves no room for App. D's sweep, which stops 200 tokens short of the "
+                      "context: give the endpoint's own context length (default 8192)")
     lengths = _sweep(cal, d_hat, p_max) if d_hat is not None else np.full(cal["n_lengths"] + 1, p_max - 200)
     requests = cal["warmups"] + cal["trials"] * (len(lengths) + 1)
     tokens = cal["warmups"] * int(lengths.max()) + cal["trials"] * (int(lengths.sum()) + 1) + requests
