@@ -209,10 +209,11 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
 
 def _latency_curve(record: dict):
     """The target's undefended latency as a function of prompt tokens, one model for the defended trials and the
-    price: its mean measured latencies joined piecewise linearly, beyond the longest the rise of the prefill law
-    a + b ell + c ell^2 (b, c >= 0) fitted to them (a padded prefill's ell^2 attention included; a last segment's own
-    slope, noisy and possibly negative, would make a padded prompt faster); with the slope of a line through them
-    (the attacker's ``dither_tokens``)."""
+    price: its mean measured latencies (App. D's sweep) joined piecewise linearly, beyond the longest the rise of
+    a + b ell + c ell^2 (b, c >= 0) fitted to them: Eq. 2's attention term in ell^2 beside the projections' and MLP's
+    linear one (Eq. 11's crossover), unweighted as the means are (a last segment's own slope, noisy and possibly
+    negative, would make a padded prompt faster); with the slope of a line through them (the attacker's
+    ``dither_tokens``)."""
     ell = np.array([np.mean(r["ell"]) for r in record["rows"]])
     t = np.array([np.mean(r["seconds"]) for r in record["rows"]])
     order = np.argsort(ell)

@@ -11,7 +11,6 @@ import math
 import re
 
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import yaml
@@ -308,14 +307,20 @@ def _check(name: str, section: dict, schema: dict, where: str = "params") -> dic
 
 
 def _number_as_text(value) -> str:
-    """A hint for a number YAML 1.1 reads as text (``1e6``: an exponent needs a dot there), else ''."""
+    """A hint for a number YAML 1.1 reads as text (``1e6``, ``1.0e6``: an exponent needs a dot and a sign there),
+    else ''."""
     try:
-        number = Decimal(value.strip()) if isinstance(value, str) else None
-    except InvalidOperation:
+        number = float(value) if isinstance(value, str) else math.nan
+    except ValueError:
         return ""
-    if number is None or not number.is_finite():
+    if not math.isfinite(number):
         return ""
-    return f" (YAML reads {value} as text: write {format(number, 'f')})"
+    if number.is_integer() and abs(number) < 1e15:
+        written = str(int(number))
+    else:
+        mantissa, _, exponent = repr(number).partition("e")  # repr: '1e-05', '1e+20', '0.5'
+        written = mantissa + ("" if "." in mantissa else ".0") + (f"e{exponent}" if exponent else "")
+    return f" (YAML reads {value} as text: write {written})"
 
 
 def _type_name(types) -> str:

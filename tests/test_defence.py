@@ -189,6 +189,7 @@ def test_a_top_list_keeps_what_the_truncation_could_draw_and_never_more(top_k, t
             listed = rng.permutation(order[:length])
             kept = listed_survivors(np.log(p[listed]), defence)
             assert not np.any(kept & ~truth[listed])  # never more
+            assert not listed_survivors(np.append(np.log(p[listed]), -np.inf), defence)[-1]  # a missing value: never
             before_top_p = truncation_mask(p, top_k, None, min_p)
             if top_p is None or (top_k is None and min_p is None) or not before_top_p[order[length:]].any():
                 assert np.array_equal(kept, truth[listed]), (seed, length)
@@ -358,6 +359,12 @@ def test_a_defence_the_backend_cannot_honour_is_refused_in_one_line():
         DefendedOracle(listing, Defence(round_decimals=1), seed=0)  # nothing truncates: the list is defended as it is
     finally:
         listing.close()
+    biased = HTTPOracle("http://127.0.0.1:9/v1", "m", extra_body={"logit_bias": {"7": 100}, "repeat_penalty": 1.0})
+    try:  # live.extra_body's fields are held to the same rule as nv defend's requests
+        with pytest.raises(NVError, match=r"field\(s\) 'logit_bias' not passed on while top_k/top_p/min_p is on"):
+            DefendedOracle(biased, Defence(top_p=0.9), seed=0)
+    finally:
+        biased.close()
 
 
 # -- params and the command line ----------------------------------------------------------------------

@@ -170,7 +170,9 @@ def test_truncation_closes_the_ways_around_it():
     tokens the sampler could have drawn, the sampled one always kept; with no truncation they pass as they are."""
     top2 = Defence(top_k=2)
     for field, value in (("logit_bias", {"12869": 100}), ("echo", True), ("prompt_logprobs", 1), ("use_beam_search", True),
-                         ("presence_penalty", -2), ("frequency_penalty", 0.5), ("repetition_penalty", 0.5), ("repeat_penalty", 2)):
+                         ("presence_penalty", -2), ("frequency_penalty", 0.5), ("repetition_penalty", 0.5), ("repeat_penalty", 2),
+                         ("response_format", {"type": "json_schema", "json_schema": {"schema": {"enum": ["zebra"]}}}),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("ignore_eos", True), ("min_tokens", 1)):
         with pytest.raises(NVError, match=f"'{field}' not passed on while top_k/top_p/min_p is on"):
             defend_request({"prompt": "x", field: value}, top2)
         assert defend_request({"prompt": "x", field: value}, Defence(round_decimals=1))[field] == value
@@ -192,6 +194,22 @@ def test_truncation_closes_the_ways_around_it():
         assert listed(reply, Defence(top_p=0.75)) == ["a", "b", "c", "d"]  # mass before c: 0.7 < 0.75
         assert listed(reply, Defence(min_p=0.5)) == ["a", "d"]  # p >= 0.25
         assert listed(reply, Defence(round_decimals=1)) == list("abcde")
+
+    # a missing or NaN value is never kept and does not wipe the list; a sampled token absent from it adds nothing;
+    # a token text listed twice (two ids) keeps the sampled id's entry; an entry that is not an object is dropped
+    odd = {"choices": [{"logprobs": {"content": [{"token": "z", "id": 9, "logprob": -9.0, "top_logprobs": [
+        {"token": "a", "id": 1, "logprob": float(np.log(0.5))}, {"token": "n", "id": 2, "logprob": None}, "junk",
+        {"token": "a", "id": 3, "logprob": float(np.log(0.3))}, {"token": "x", "id": 4, "logprob": float("nan")}]}]}}]}
+    top = defend_reply(json.loads(json.dumps(odd)), Defence(top_p=0.9), np.random.default_rng(0))
+    assert [t["id"] for t in top["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 3]
+    odd["choices"][0]["logprobs"]["content"][0] |= {"token": "a", "id": 3}  # the sampled id 3 is kept past top-k 1
+    top = defend_reply(json.loads(json.dumps(odd)), Defence(top_k=1), np.random.default_rng(0))
+    assert [t["id"] for t in top["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 3]
+    plain = defend_reply(json.loads(json.dumps(odd)), Defence(round_decimals=1), np.random.default_rng(0))
+    assert [t["id"] for t in plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 2, 3, 4]
+    joined = defend_reply({"choices": [{"logprobs": {"tokens": "ab", "token_logprobs": [-0.1, -0.2],
+                                                     "top_logprobs": [{"a": -0.1}, {"b": -0.2}]}}]}, Defence(), np.random.default_rng(0))
+    assert joined["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}, {"b": -0.2}]  # tokens as one string: as before
 
 
 def test_noise_is_one_draw_per_token_and_reply():

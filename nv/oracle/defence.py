@@ -163,14 +163,34 @@ def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None
 
 
 def listed_survivors(y: Sequence[float], defence: Defence) -> np.ndarray:
-    """Which entries of a reply's top list (log-probs ``y`` of the server's most likely tokens, any order) the
-    truncation could have drawn: ``truncation_mask`` over their probabilities, the list's missing mass 1 - sum(p)
-    ``unlisted``. Read off the reported values, so a server that truncates in another order or at another
-    temperature (llama.cpp: before it) may draw a few listed tokens more or fewer."""
+    """Which entries of a reply's top list (log-probs ``y`` of the server's most likely tokens, any order; -inf for a
+    missing value) the truncation could have drawn: ``truncation_mask`` over their probabilities, the list's missing
+    mass 1 - sum(p) ``unlisted``. Read off the reported values: exact where the server truncates the distribution it
+    reports (llama.cpp: the T = 1 one, truncated before the temperature); a server that truncates after the
+    temperature (vLLM) draws from more tokens at tau > 1 and fewer at tau < 1, so the list keeps fewer or more."""
     p = np.exp(np.asarray(y, dtype=np.float64))
     if p.size == 0:
         return np.zeros(0, dtype=bool)
-    return truncation_mask(p, defence.top_k, defence.top_p, defence.min_p, unlisted=max(0.0, 1.0 - float(p.sum())))
+    unlisted = max(0.0, 1.0 - float(p.sum()))
+    return truncation_mask(p, defence.top_k, defence.top_p, defence.min_p, unlisted=unlisted) & (p > 0)
+
+
+# request fields with which a client could draw or read the tokens a truncation hides (a logit bias, a penalty, a
+# grammar or schema, or a ban of EOS moves a tail token into the kept set or forces it; echo, prompt log-probs and
+# beam search report tokens the sampler did not draw), and their neutral values (the attack's own repeat_penalty 1)
+UNTRUNCATING = {"logit_bias": ({}, None), "presence_penalty": (0, None), "frequency_penalty": (0, None),
+                "repetition_penalty": (1, None), "repeat_penalty": (1, None), "response_format": (None, {"type": "text"}),
+                "tools": (None, []), "ignore_eos": (False, None), "min_tokens": (0, None),
+                "echo": (False, None), "prompt_logprobs": (None,), "use_beam_search": (False, None)}
+
+
+def check_untruncating(body: dict, defence: Defence) -> None:
+    """With top_k, top_p or min_p on, refuse a request whose ``UNTRUNCATING`` fields are not neutral."""
+    if defence.truncates:
+        undoing = [k for k, neutral in UNTRUNCATING.items() if k in body and body[k] not in neutral]
+        if undoing:
+            raise NVError(f"request field(s) {', '.join(map(repr, undoing))} not passed on while top_k/top_p/min_p is on: "
+                          "they let a client draw or read the tokens the truncation hides")
 
 
 def served_log_probs(y: np.ndarray, temperature: float, defence: Defence) -> np.ndarray:
@@ -267,6 +287,7 @@ class DefendedOracle(Oracle):
             raise NVError(f"pad_to_tokens needs the target's tokenizer: {type(oracle).__name__} cannot honour it "
                           "(only the simulator can)")
         if defence.truncates and isinstance(oracle, HTTPOracle):
+            check_untruncating(oracle.extra_body, defence)  # live.extra_body
             if oracle.top_logprobs:
                 raise NVError("top_k/top_p/min_p with live.top_logprobs > 0: an endpoint's top list is not truncated by "
                               "its sampler; put `nv defend` in front of it, which filters the list, or set top_logprobs 0")

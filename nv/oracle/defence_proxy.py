@@ -7,8 +7,8 @@ functions as ``DefendedOracle`` (``nv.oracle.defence``):
 
 - request side: ``max_temperature`` caps the request's temperature (an absent one is OpenAI's default, 1);
   ``top_k``/``top_p``/``min_p`` are set on it, or kept where the client asked for stricter truncation, and with
-  them on the ``UNTRUNCATING`` fields (a logit bias, penalties, echo, prompt log-probs, beam search) are refused
-  unless neutral: they would draw or read the tokens the truncation hides;
+  them on the ``UNTRUNCATING`` fields (a logit bias, penalties, a grammar or schema, echo, prompt log-probs, beam
+  search) are refused unless neutral: they would draw or read the tokens the truncation hides;
 - reply side: with truncation on, a top list keeps only the tokens it could have drawn (``listed_survivors``);
   each returned log-prob (the sampled token's, ``top_logprobs``, vLLM's ``prompt_logprobs``) gets
   N(0, sigma^2) noise, one draw per (choice, position, token) and reply, so a token listed twice carries one value;
@@ -43,7 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from nv.errors import NVError
-from nv.oracle.defence import Defence, http_truncation_fields, listed_survivors, quantise
+from nv.oracle.defence import Defence, check_untruncating, http_truncation_fields, listed_survivors, quantise
 from nv.oracle.http import split_credentials
 from nv.params import REQUEST_FIELDS as ATTACK_FIELDS
 
@@ -68,12 +68,6 @@ REPLY_FIELDS = {
 REPLY_HEADERS = {"content-type", "date", "server", "x-request-id", "retry-after"}
 PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# fields with which a client could draw or read the tokens a truncation hides (a bias or a penalty moves a tail token
-# into the kept set; echo, prompt_logprobs and beam search report tokens the sampler did not draw): with top_k, top_p
-# or min_p on, passed only at these neutral values (the attack's own extra_body sets repeat_penalty 1)
-UNTRUNCATING = {"logit_bias": ({}, None), "echo": (False, None), "prompt_logprobs": (None,), "use_beam_search": (False, None),
-                "presence_penalty": (0, None), "frequency_penalty": (0, None), "repetition_penalty": (1, None),
-                "repeat_penalty": (1, None)}
 # the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
 STRICTER = {"top_k": lambda mine, theirs: min(mine, theirs) if mine > 0 else theirs, "top_p": min, "min_p": max}
 
@@ -103,11 +97,7 @@ def defend_request(body: dict, defence: Defence) -> dict:
     if unknown:
         raise NVError(f"request field(s) {', '.join(map(repr, unknown))} not passed on: they could undo the defence "
                       "(a sampler chain, a temperature or a probability format the proxy does not control)")
-    if defence.truncates:
-        undoing = [k for k, neutral in UNTRUNCATING.items() if k in body and body[k] not in neutral]
-        if undoing:
-            raise NVError(f"request field(s) {', '.join(map(repr, undoing))} not passed on while top_k/top_p/min_p is on: "
-                          "they let a client draw or read the tokens the truncation hides")
+    check_untruncating(body, defence)
     body = dict(body)
     t = body.get("temperature")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
@@ -131,7 +121,7 @@ def _drawable(tops: list[tuple], sampled, defence: Defence) -> list[tuple]:
     token's own always), or all of them when nothing truncates."""
     if not defence.truncates:
         return tops
-    y = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else -math.inf for _, v in tops]
+    y = [v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -math.inf for _, v in tops]
     return [top for top, kept in zip(tops, listed_survivors(y, defence)) if kept or top[0] == sampled]
 
 
@@ -169,7 +159,8 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                 entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("token")))
                 if isinstance(entry.get("top_logprobs"), list):
                     tops = [_known(top, "entry") for top in entry["top_logprobs"] if isinstance(top, dict)]
-                    own = next((j for j, top in enumerate(tops) if top.get("token") == entry.get("token")), None)
+                    same = "id" if "id" in entry else "token"  # a token's text may be shared; its id is not
+                    own = next((j for j, top in enumerate(tops) if top.get(same) == entry.get(same)), None)
                     entry["top_logprobs"] = [tops[j] for j, _ in _drawable([(j, top.get("logprob")) for j, top in enumerate(tops)],
                                                                            own, defence)]
                 for top in entry.get("top_logprobs") or []:
@@ -177,7 +168,7 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
         if lp.get("token_logprobs") is not None:  # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]
             tokens = lp.get("tokens") or [None] * len(lp["token_logprobs"])
             lp["token_logprobs"] = [value(y, (c, "text", i, t)) for i, (t, y) in enumerate(zip(tokens, lp["token_logprobs"]))]
-            sampled = tokens + [None] * len(lp.get("top_logprobs") or [])
+            sampled = list(tokens) + [None] * len(lp.get("top_logprobs") or [])
             lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in _drawable(list((top or {}).items()), sampled[i], defence)}
                                   for i, top in enumerate(lp.get("top_logprobs") or [])]
     return reply
