@@ -9,12 +9,13 @@ from nv.phase2.fit import (
     Timings,
     attention_regime,
     crossover_length,
-    cross_platform_depth,
     depth_basic,
     depth_basic_t,
+    depths,
     fit_gamma,
     fit_scaling,
     infer_depth,
+    platform_fits,
     prefill_times,
     relative_error,
     scaling_relation,
@@ -149,19 +150,25 @@ def test_cross_platform_transfer_recovers_depth(noise):
     ref = _platform(MODELS, 1.0, ALPHA, rng if noise else None, noise)
     tgt = _platform(MODELS, scale, 0.11, rng if noise else None, noise)
     target = _platform([(36, 4096)], scale, 0.11, rng if noise else None, noise)
-    est = cross_platform_depth(ref, tgt, Timings(target.ell, target.T, target.sigma, target.d))
+    est = platform_fits(ref, tgt, Timings(target.ell, target.T, target.sigma, target.d))
     assert est.k == pytest.approx(scale, rel=10 * noise + 1e-9)
-    assert est.L_hat == pytest.approx(36, rel=10 * noise + 1e-9)
     assert est.reference.slope == pytest.approx(BETA, rel=10 * noise + 1e-9)
-    # Eq. 9's two forms agree: gamma_g / (k beta) = gamma_g gamma_ref / (gamma_tgt beta).
+    both = depths(est.reference.slope, est.reference.intercept, est.k, 4096, target.ell, target.T, target.sigma,
+                  est.gamma_g)
+    assert both["eq10"][0] == pytest.approx(36, rel=10 * noise + 1e-9)
+    # Eq. 10's two forms agree: gamma_g / (k beta) = gamma_g gamma_ref / (gamma_tgt beta).
     alt = est.gamma_g.slope * est.gamma_ref.slope / (est.gamma_tgt.slope * est.reference.slope)
-    assert est.L_hat == pytest.approx(alt, rel=1e-12)
+    assert both["eq10"][0] == pytest.approx(alt, rel=1e-12)
+    # Eq. 9 (the basic estimator across platforms) borrows alpha^ref: off by the platforms' offsets, not by k
+    expected = 36 + (0.11 - ALPHA) * np.sum(target.sigma**-2 * target.ell**2) / (
+        scale * BETA * 4096 * np.sum(target.sigma**-2 * target.ell**4))
+    assert both["basic"][0] == pytest.approx(expected, rel=10 * noise + 1e-9)
 
 
 def test_cross_platform_needs_reference_depths():
     ref = _platform(MODELS, 1.0, ALPHA)
     with pytest.raises(NVError, match="reference timings need the known layer counts L"):
-        cross_platform_depth(Timings(ref.ell, ref.T, ref.sigma, ref.d), ref, ref)
+        platform_fits(Timings(ref.ell, ref.T, ref.sigma, ref.d), ref, ref)
 
 
 def test_total_params_smollm2_135m():

@@ -23,8 +23,8 @@ from nv.outputs import json_value, read_json
 from nv.phase2.fit import (
     Timings,
     attention_regime,
-    cross_platform_depth,
     depths,
+    platform_fits,
     relative_error,
     total_params,
 )
@@ -115,11 +115,11 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
         if min(len(ref), len(tgt_on_ref)) < 2:
             raise NVError(f"the fits need two reference models besides {g['model']} on each platform")
         target = timings([g], discard, d_key)
-        est = cross_platform_depth(timings(ref, discard, "d"), timings(tgt, discard, "d"), target, timings(tgt_on_ref, discard, "d"))
+        est = platform_fits(timings(ref, discard, "d"), timings(tgt, discard, "d"), target, timings(tgt_on_ref, discard, "d"))
+        beta, alpha = est.reference.slope, est.reference.intercept
+        both = depths(beta, alpha, est.k, d_hat, target.ell, target.T, target.sigma, est.gamma_g)
     except NVError as exc:  # a fit that cannot give a depth is reported, not fatal
         return row | {"note": str(exc)}
-    beta, alpha = est.reference.slope, est.reference.intercept
-    both = depths(beta, alpha, est.k, d_hat, target.ell, target.T, target.sigma, est.gamma_g)
     (basic, t), (eq10, t_eq10) = both["basic"], both["eq10"]
     return (row | {"beta": beta, "alpha": alpha, "gamma_ref": est.gamma_ref.slope, "gamma_tgt": est.gamma_tgt.slope,
                    "gamma_g": est.gamma_g.slope, "k": est.k, "t": t, "t_eq10": t_eq10, "note": ""}

@@ -209,10 +209,9 @@ class Timings:
 
 
 @dataclass(frozen=True)
-class DepthEstimate:
-    """Stage 2 of Fig. algo_timing: the fits and the inferred depth L_hat_g (Eq. 10)."""
+class PlatformFits:
+    """Stage 2 of Fig. algo_timing: the fits and the transfer factor that ``depths`` turns into L_hat (Eqs. 9, 10)."""
 
-    L_hat: float
     k: float
     reference: LineFit  # Eq. 6 L-known: beta^ref, alpha^ref
     gamma_ref: LineFit  # Eq. 6 L-unknown: gamma^ref, zeta^ref
@@ -220,8 +219,8 @@ class DepthEstimate:
     gamma_g: LineFit  # Eq. 7 on the target alone: gamma^tgt_g, zeta^tgt_g
 
 
-def cross_platform_depth(ref: Timings, tgt: Timings, target: Timings, tgt_on_ref: Timings | None = None) -> DepthEstimate:
-    """Fig. algo_timing Stage 2 (App. B.3.3, Eqs. 6-10) for any pair of platforms.
+def platform_fits(ref: Timings, tgt: Timings, target: Timings, tgt_on_ref: Timings | None = None) -> PlatformFits:
+    """Fig. algo_timing Stage 2 (App. B.3.3, Eqs. 6-8) for any pair of platforms; ``depths`` gives L_hat from them.
 
     ``ref``: reference models F^ref with known d, L on the reference platform (beta^ref, alpha^ref);
     ``tgt``: models F^tgt timed on the target's platform with spectral d_hat; ``target``: the held-out
@@ -239,9 +238,7 @@ def cross_platform_depth(ref: Timings, tgt: Timings, target: Timings, tgt_on_ref
     gamma_ref = fit_gamma(same.d, same.ell, same.T, same.sigma)
     gamma_tgt = fit_gamma(tgt.d, tgt.ell, tgt.T, tgt.sigma)
     gamma_g = fit_gamma(target.d, target.ell, target.T, target.sigma)
-    k = transfer_factor(gamma_tgt.slope, gamma_ref.slope)
-    L_hat = infer_depth(gamma_g.slope, reference.slope, k)
-    return DepthEstimate(L_hat, k, reference, gamma_ref, gamma_tgt, gamma_g)
+    return PlatformFits(transfer_factor(gamma_tgt.slope, gamma_ref.slope), reference, gamma_ref, gamma_tgt, gamma_g)
 
 
 def total_params(d: float, L: float, V: float, kv_ratio: float = 0.25, ffn_ratio: float = 3.5, tied: bool = False) -> float:

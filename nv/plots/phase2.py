@@ -98,7 +98,7 @@ def errors(table: pd.DataFrame):
 def cross_platform(records: dict[str, list[dict]], discard: int):
     """App. B.3.3: the L-unknown relations T ~ gamma ell^2 d + zeta of the reference models on each
     platform, the target's end-to-end curve on each, and the transfer factor k = gamma_tgt/gamma_ref of Eq. 8 as the
-    fit uses it: both gammas over the references timed on both platforms (``nv.phase2.fit.cross_platform_depth``);
+    fit uses it: both gammas over the references timed on both platforms (``nv.phase2.fit.platform_fits``);
     where a gamma is not positive the title says there is no k, and why."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, (platform, recs) in enumerate(records.items()):
