@@ -145,6 +145,7 @@ def attack_live(args: argparse.Namespace) -> int:
     journal = Path(args.journal) if args.journal else Path(args.out) / "journal.jsonl"
     if args.dry_run:
         plan["paid"] = live.paid_so_far(journal, args.base_url, args.model, params, budget)
+        plan["endpoint"] = live.endpoint_check(args.base_url, args.model, params["live"])
         print(live.format_plan(plan, params, args.model, args.base_url, budget, timing))
         live.check_budget(plan, budget)
         print(json.dumps(plan))
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--budget-calls", type=_count, metavar="X", help="cap on API requests")
     live.add_argument("--budget-money", type=_amount, metavar="X", help="cap on money (needs --price-per-mtok)")
     live.add_argument("--price-per-mtok", type=_amount, metavar="X", help="price of one million billed tokens")
-    live.add_argument("--dry-run", action="store_true", help="print the planned calls and tokens, send nothing")
+    live.add_argument("--dry-run", action="store_true", help="print the planned calls and tokens and check the endpoint (the free GET /models); nothing billed")
     live.add_argument("--pilot", metavar="DIR", help="with --dry-run: the samples/ folder of a small earlier run on the same "
                       "endpoint (e.g. search.D = 300, sampling.N = 10000); plans N from its fitted tail (nv.phase1.planner)")
     phase2 = p.add_argument_group("phase 2, timing (with --base-url)")

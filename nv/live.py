@@ -147,18 +147,34 @@ def paid_so_far(journal: Path, base_url: str, model: str, params: dict, budget: 
     return {"journal": str(journal), "requests": j.requests, "tokens_billed": tokens, "money": budget.money_of(tokens)}
 
 
+def endpoint_check(base_url: str, model: str, live: dict) -> str | None:
+    """The dry run's look at the endpoint: the attack's free ``GET /models`` (nothing billed); None where the endpoint
+    answers and serves ``model``, else the reason, which the plan prints (a plan made offline still stands)."""
+    oracle = HTTPOracle.from_params(base_url, model, live, None, Budget())  # a malformed URL: the one-line error
+    try:
+        oracle.preflight()
+    except NVError as exc:
+        return str(exc)
+    finally:
+        oracle.close()
+    return None
+
+
 def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget, timing: dict | None = None) -> str:
-    """The dry run's text: phase 1's calls, requests, tokens, money and time; phase 2's calls with ``timing``
-    (``attack``'s: the calibration and the d_hat given, if any)."""
+    """The dry run's text: the endpoint check's outcome (``p["endpoint"]``, where checked), phase 1's calls,
+    requests, tokens, money and time; phase 2's calls with ``timing`` (``attack``'s: the calibration and the d_hat
+    given, if any)."""
     calibration = None if timing is None else timing["calibration"]
     placed = "phase 1's d_hat" if timing is None or not timing["d_hat"] else f"d_hat = {timing['d_hat']}"
     s, smp, live = params["search"], params["sampling"], params["live"]
     money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
     adaptive = _format_rounds(p["rounds"], budget, p.get("phase2")) if p["adaptive"] else ""
     return (
-        f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing sent; the endpoint, the model "
-        "and --out are checked when the attack starts):\n"
-        f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
+        f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing billed; --out is checked when "
+        "the attack starts):\n"
+        + ("" if "endpoint" not in p else "  endpoint          GET /models (free): "
+           + (f"serves {model}\n" if p["endpoint"] is None else f"{p['endpoint']}: the attack would stop there\n"))
+        + f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
         f"  sampling          D = {s['D']:,} prompts x N = {p['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}{adaptive}\n"
         f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} sample{'s' * (live['n_per_request'] > 1)} "
         "per request where n is honoured)\n"

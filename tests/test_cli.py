@@ -44,11 +44,14 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     assert report["common_set_size"] < 576
     assert (out / "spectrum.png").stat().st_size > 10_000
     assert json.loads(proc.stdout.strip().splitlines()[-1])["saturated"] is False
-    # this run's draws as the pilot of a planned attack (the dry run sends nothing: the endpoint need not exist)
+    # this run's draws as the pilot of a planned attack (the dry run bills nothing; an endpoint that does not answer its
+    # free GET /models is said in the plan, which stands: an auditor may plan before the endpoint is reachable)
     planned = ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--params", str(params), "--dry-run"]
     dry = subprocess.run(NV + planned + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     planned_json = json.loads(dry.stdout.strip().splitlines()[-1])
+    assert planned_json["endpoint"].startswith("cannot reach http://127.0.0.1:9/v1/models: ConnectError")
+    assert "  endpoint          GET /models (free): cannot reach" in dry.stdout and "the attack would stop there" in dry.stdout
     pilot = planned_json["pilot"]
     assert (pilot["D0"], pilot["N0"]) == (40, 5000) and "planner (pilot)" in dry.stdout
     # drawn from a simulated model, not from the endpoint planned: said, as its prompt tokens and tail are that model's

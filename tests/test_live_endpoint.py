@@ -323,13 +323,17 @@ def test_attack_end_to_end_reports_not_saturated_at_a_tiny_budget(baseline, serv
     assert report["d_interval"] == [report["lower_bound"], None] and report["cost"]["caps"] == dict.fromkeys(("tokens", "calls", "money"))
 
 
-def test_dry_run_plans_the_calls_the_attack_made_and_sends_nothing(baseline, server, root, tmp_path):
+def test_dry_run_plans_the_calls_the_attack_made_and_bills_nothing(baseline, server, root, tmp_path):
     with FaultProxy(server.base_url) as proxy:
         proc = run_attack(attack_args(proxy.url, server.model_name, baseline["params"], tmp_path / "o", "--dry-run"))
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout.strip().splitlines()[-1])
     assert plan["requests"] == REQUESTS and plan["sampling_calls"] == 32 and proxy.posts == 0
     assert "tokens (§5)" in proc.stdout and not (tmp_path / "o").exists()
+    # the free GET /models went through: the endpoint answers and serves the model (no paid request: no POST)
+    assert plan["endpoint"] is None and f"GET /models (free): serves {server.model_name}" in proc.stdout
+    wrong = run_attack(attack_args(server.base_url, "no-such-model", baseline["params"], tmp_path / "o", "--dry-run"))
+    assert wrong.returncode == 0 and "model 'no-such-model' is not served at" in json.loads(wrong.stdout.strip().splitlines()[-1])["endpoint"]
     # over the baseline's output folder: its journal's paid replies are shown, and one of another endpoint is refused
     endpoint = baseline["report"]["endpoint"]
     again = run_attack(attack_args(endpoint, server.model_name, baseline["params"], baseline["out"], "--dry-run"))
