@@ -367,6 +367,21 @@ def test_a_reference_fit_that_cannot_tell_its_depth_from_zero_does_not_widen_the
     assert row.q_L_basic == pytest.approx(q, rel=1e-9) and q < 0.2
 
 
+def test_each_estimator_without_a_positive_P_ne_hat_is_named_in_the_note():
+    """A target whose prefill grows slower than its attention alone (a negative linear term: no time left for the
+    parameters at either estimator's depth) gets no P_ne_hat from either, and the note names both (it used to keep the
+    last one only, so a rule that picked the other estimator read as unexplained)."""
+    timing = {**TIMING, "platforms": {"inprocess": TIMING["platforms"]["inprocess"]}}
+    recs = [record(n, "reference", L, d, "inprocess", c=1e-13) for n, L, d in FAMILY]
+    target = record("smollm2", "target", 30, 576, "inprocess", facts=SMOL, c=-1e-12)
+    row = held_out_all({"inprocess": recs + [target]}, target, timing)
+    assert row["L_hat"] > 0 and row["L_hat_eq10"] > 0 and np.isnan(row["P_ne_hat_basic"]) and np.isnan(row["P_ne_hat_eq10"])
+    assert row["note_prefill"] == (f"no positive P_ne_hat at the basic estimator's L_hat = {row['L_hat']:.3g}; "
+                                   f"no positive P_ne_hat at the eq10 estimator's L_hat = {row['L_hat_eq10']:.3g}")
+    fine = held_out_all({"inprocess": recs + [target]}, recs[2], timing)  # a reference of the family: both positive
+    assert fine["P_ne_hat_basic"] > 0 and fine["P_ne_hat_eq10"] > 0 and "note_prefill" not in fine
+
+
 def test_combine_propagates_d_hat_into_L_hat_and_P_hat_as_rerunning_the_fit_would():
     """overall.combine rescales L_hat(d_used) by d_used / d_hat instead of refitting; the refit with that d_hat
     (held_out on a record whose d_used is d_hat) must give the same L_hat."""

@@ -86,13 +86,14 @@ def held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
         cal = prefill.calibrate(refs)
     except NVError as exc:  # no attacker-side P_ne_hat: reported, not fatal
         return row | {"note_prefill": str(exc)}
+    notes = []
     for name, key in ESTIMATORS.items():
         L_hat = row.get(key, np.nan)
         if np.isfinite(L_hat) and L_hat > 0:
             row[f"P_ne_hat_{name}"] = P_ne = prefill.non_embedding_hat(cal, g["ell"], g["T"], g["sigma"], g["d_used"], L_hat)
             if not P_ne > 0:
-                row["note_prefill"] = f"no positive P_ne_hat at the {name} estimator's L_hat = {L_hat:.3g}"
-    return row
+                notes.append(f"no positive P_ne_hat at the {name} estimator's L_hat = {L_hat:.3g}")
+    return row | ({"note_prefill": "; ".join(notes)} if notes else {})
 
 
 def _columns(rows: list[dict], *names: str) -> list[np.ndarray]:
