@@ -34,10 +34,12 @@ def run_main(work: Callable[[], object]) -> int:
     """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as do a
     full disk (ENOSPC, EDQUOT: the file it failed to write) and a path of the wrong kind or out of this user's reach
     (EISDIR, ENOTDIR, EACCES, EPERM, EROFS: the path); Ctrl-C exit status 130 and SIGTERM 143 (finished work is
-    checkpointed, paid replies in flight are journaled, so the same command resumes); otherwise the status ``work``
-    returns when it is an int, else 0."""
+    checkpointed, paid replies in flight are journaled, so the same command resumes), and a further Ctrl-C while the
+    interrupted work's objects are freed (a progress bar's finalizer) ends the process at once; otherwise the status
+    ``work`` returns when it is an int, else 0."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+    interrupt = signal.getsignal(signal.SIGINT) if main else None
     try:
         status = work()
         return status if isinstance(status, int) else 0
@@ -45,6 +47,8 @@ def run_main(work: Callable[[], object]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
+        if main:  # one more Ctrl-C while the interrupted frames are freed ends the process, not a finalizer's traceback
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except OSError as exc:
@@ -60,3 +64,4 @@ def run_main(work: Callable[[], object]) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, interrupt)

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -167,3 +168,38 @@ def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):
         assert run_main(work) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and err.rstrip().endswith(path)
+
+
+SLOW_TEARDOWN = """
+import signal, sys, time
+from nv.errors import run_main
+
+class Slow:
+    def __del__(self):  # as a progress bar's finalizer, freed with the interrupted frame
+        print("finalizing", flush=True)
+        time.sleep(30)
+
+def work():
+    held = Slow()
+    raise KeyboardInterrupt
+
+status = run_main(work)
+print("returned", status, signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+
+
+def test_a_second_ctrl_c_while_the_interrupted_work_is_freed_ends_the_process_without_a_traceback(tmp_path):
+    """After a Ctrl-C (exit 130), another one while the interrupted work's objects are finalized ends the process at
+    once (it used to land in a finalizer: "Exception ignored in ... tqdm.__del__" and a traceback); a run that is not
+    interrupted again returns 130 with Python's own Ctrl-C handling restored."""
+    script = tmp_path / "slow_teardown.py"
+    script.write_text(SLOW_TEARDOWN.replace("time.sleep(30)", "time.sleep(30 if 'again' in sys.argv else 0)"))
+    proc = subprocess.Popen([sys.executable, str(script), "again"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "finalizing\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT and "returned" not in out, (out, err)
+    assert err == "interrupted: finished work is checkpointed; rerun the same command to resume\n"
+    once = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert once.stdout.splitlines() == ["finalizing", "returned 130 True"] and "Traceback" not in once.stderr
