@@ -145,9 +145,16 @@ def attack_live(args: argparse.Namespace) -> int:
     journal = Path(args.journal) if args.journal else Path(args.out) / "journal.jsonl"
     if args.dry_run:
         plan["paid"] = live.paid_so_far(journal, args.base_url, args.model, params, budget)
-        plan["endpoint"] = live.endpoint_check(args.base_url, args.model, params["live"])
+        try:
+            live.check_budget(plan, budget)
+            over = None
+        except NVError as exc:  # said after the plan, with no wait on the endpoint first
+            over = exc
+        if over is None:
+            plan["endpoint_error"] = live.endpoint_check(args.base_url, args.model, params["live"])
         print(live.format_plan(plan, params, args.model, args.base_url, budget, timing))
-        live.check_budget(plan, budget)
+        if over is not None:
+            raise over
         print(json.dumps(plan))
         return 0
     out = _writable(Path(args.out))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import signal
 import sys
 import threading
@@ -39,7 +40,8 @@ def run_main(work: Callable[[], object]) -> int:
     ``work`` returns when it is an int, else 0."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main else None
-    interrupt = signal.getsignal(signal.SIGINT) if main else None
+    interrupt = signal.getsignal(signal.SIGINT) if main else None  # None: a handler not set from Python, left as it is
+    interrupted = False
     try:
         status = work()
         return status if isinstance(status, int) else 0
@@ -47,7 +49,8 @@ def run_main(work: Callable[[], object]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        if main:  # one more Ctrl-C while the interrupted frames are freed ends the process, not a finalizer's traceback
+        interrupted = main
+        if interrupted:  # one more Ctrl-C while the interrupted work is freed ends the process, not a finalizer's traceback
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
@@ -62,6 +65,9 @@ def run_main(work: Callable[[], object]) -> int:
               "(finished work is checkpointed)", file=sys.stderr)
         return 2
     finally:
+        if interrupted:
+            gc.collect()  # the interrupted work's reference cycles too, while SIGINT still ends the process
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if interrupted and interrupt is not None:
             signal.signal(signal.SIGINT, interrupt)

@@ -161,7 +161,7 @@ def endpoint_check(base_url: str, model: str, live: dict) -> str | None:
 
 
 def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget, timing: dict | None = None) -> str:
-    """The dry run's text: the endpoint check's outcome (``p["endpoint"]``, where checked), phase 1's calls,
+    """The dry run's text: the endpoint check's outcome (``p["endpoint_error"]``, where checked), phase 1's calls,
     requests, tokens, money and time; phase 2's calls with ``timing`` (``attack``'s: the calibration and the d_hat
     given, if any)."""
     calibration = None if timing is None else timing["calibration"]
@@ -172,8 +172,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
     return (
         f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing billed; --out is checked when "
         "the attack starts):\n"
-        + ("" if "endpoint" not in p else "  endpoint          GET /models (free): "
-           + (f"serves {model}\n" if p["endpoint"] is None else f"{p['endpoint']}: the attack would stop there\n"))
+        + ("" if "endpoint_error" not in p else "  endpoint          GET /models (free): "
+           + (f"serves {model}\n" if p["endpoint_error"] is None else f"{p['endpoint_error']}: the attack would stop there\n"))
         + f"  prompt search     {s['rounds']} rounds x {s['batch_size']} = {p['search_calls']:,} calls at T = 0\n"
         f"  sampling          D = {s['D']:,} prompts x N = {p['N']:,} = {p['sampling_calls']:,} calls at tau = {smp['temperature']}{adaptive}\n"
         f"  requests          {p['requests']:,} (2 probes; {live['n_per_request']} sample{'s' * (live['n_per_request'] > 1)} "

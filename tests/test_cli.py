@@ -51,8 +51,12 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     dry = subprocess.run(NV + planned + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     planned_json = json.loads(dry.stdout.strip().splitlines()[-1])
-    assert planned_json["endpoint"].startswith("cannot reach http://127.0.0.1:9/v1/models: ConnectError")
+    assert planned_json["endpoint_error"].startswith("cannot reach http://127.0.0.1:9/v1/models: ConnectError")
     assert "  endpoint          GET /models (free): cannot reach" in dry.stdout and "the attack would stop there" in dry.stdout
+    # a budget below the plan: the plan, then the refusal, with no look at the endpoint first
+    small = subprocess.run(NV + planned + ["--budget-calls", "10"], capture_output=True, text=True, timeout=300)
+    assert small.returncode == 2 and small.stderr.startswith("error: budget too small") and "GET /models" not in small.stdout
+    assert "  prompt search" in small.stdout
     pilot = planned_json["pilot"]
     assert (pilot["D0"], pilot["N0"]) == (40, 5000) and "planner (pilot)" in dry.stdout
     # drawn from a simulated model, not from the endpoint planned: said, as its prompt tokens and tail are that model's
@@ -194,12 +198,15 @@ def test_a_second_ctrl_c_while_the_interrupted_work_is_freed_ends_the_process_wi
     interrupted again returns 130 with Python's own Ctrl-C handling restored."""
     script = tmp_path / "slow_teardown.py"
     script.write_text(SLOW_TEARDOWN.replace("time.sleep(30)", "time.sleep(30 if 'again' in sys.argv else 0)"))
+    # Python's own Ctrl-C handling in the child whatever started the tests (a shell's background job ignores SIGINT,
+    # and a child inherits that: tests/test_live_endpoint.py)
+    default = dict(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc = subprocess.Popen([sys.executable, str(script), "again"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, **default)
     assert proc.stdout.readline() == "finalizing\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT and "returned" not in out, (out, err)
     assert err == "interrupted: finished work is checkpointed; rerun the same command to resume\n"
-    once = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    once = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, **default)
     assert once.stdout.splitlines() == ["finalizing", "returned 130 True"] and "Traceback" not in once.stderr

@@ -331,9 +331,9 @@ def test_dry_run_plans_the_calls_the_attack_made_and_bills_nothing(baseline, ser
     assert plan["requests"] == REQUESTS and plan["sampling_calls"] == 32 and proxy.posts == 0
     assert "tokens (§5)" in proc.stdout and not (tmp_path / "o").exists()
     # the free GET /models went through: the endpoint answers and serves the model (no paid request: no POST)
-    assert plan["endpoint"] is None and f"GET /models (free): serves {server.model_name}" in proc.stdout
+    assert plan["endpoint_error"] is None and f"GET /models (free): serves {server.model_name}" in proc.stdout
     wrong = run_attack(attack_args(server.base_url, "no-such-model", baseline["params"], tmp_path / "o", "--dry-run"))
-    assert wrong.returncode == 0 and "model 'no-such-model' is not served at" in json.loads(wrong.stdout.strip().splitlines()[-1])["endpoint"]
+    assert wrong.returncode == 0 and "model 'no-such-model' is not served at" in json.loads(wrong.stdout.strip().splitlines()[-1])["endpoint_error"]
     # over the baseline's output folder: its journal's paid replies are shown, and one of another endpoint is refused
     endpoint = baseline["report"]["endpoint"]
     again = run_attack(attack_args(endpoint, server.model_name, baseline["params"], baseline["out"], "--dry-run"))
@@ -533,7 +533,7 @@ def _error(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys):
+def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys, monkeypatch):
     params = write_params(root, tmp_path)
     name = server.model_name
     cases = [  # (proxy mode, model, extra args, expected message, POSTs allowed)
@@ -551,6 +551,10 @@ def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys)
             assert message in err and proxy.posts == posts, (err, proxy.posts)
     err = _error(capsys, attack_args(f"http://127.0.0.1:{free_port()}/v1", name, params, tmp_path / "o"))
     assert "cannot reach" in err
+    with monkeypatch.context() as env:  # a key no HTTP header can carry (httpx: UnicodeEncodeError, a traceback)
+        env.setenv("OPENAI_API_KEY", "sk-\u00fcber")
+        err = _error(capsys, attack_args(server.base_url, name, params, tmp_path / "o-key", "--dry-run"))
+        assert err == "error: $OPENAI_API_KEY holds a character an HTTP header cannot carry: check its value"
     with LlamaServer("embedded", n_ctx=256, logprobs=False) as plain, FaultProxy(plain.base_url) as proxy:
         few = write_params(root, tmp_path, name="few-retries.yaml", retries=1)
         err = _error(capsys, attack_args(proxy.url, plain.model_name, few, tmp_path / "o-plain"))
