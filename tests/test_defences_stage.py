@@ -180,6 +180,30 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     assert stop.loc["noise_sigma", "10x budget"] == "none of the swept settings"
 
 
+def test_a_setting_stops_the_attack_only_where_every_statistic_misses():
+    """The weakest stopping setting counts a setting only where the plain statistic and the counter-measure both miss
+    (and, at 10x, the counter-measure on ten times the calls too): a 100 ms delay that the fastest trials overshoot
+    (-31 %) while the plain mean reads -16 % has not stopped the attack; a 1 s delay that beats both at the default
+    budget but not the 10x counter-measure stops it at the default budget only."""
+    def row(knob, setting, plain, counter, ten, cost):
+        return {"knob": knob, "setting": setting, "phase": 2, "without_counter": plain, "with_counter": counter,
+                "at_10x": ten, "adaptive": "", "paper_estimator": "", "cost": cost}
+    table = pd.DataFrame([
+        row("none", "", "works (L_hat 28.4, -5 %)", "works (L_hat 29.9, -0 %)", "works (L_hat 29.9, -0 %)", "0 ms"),
+        row("delay_uniform_ms", "100", "works (L_hat 25.3, -16 %)", "stopped (L_hat 20.6, -31 %)",
+            "works (L_hat 29.9, -0 %)", "50 ms"),
+        row("delay_uniform_ms", "1000", "stopped (L_hat 13.0, -57 %)", "stopped (L_hat 48.6, +62 %)",
+            "works (L_hat 23.9, -20 %)", "498 ms"),
+        row("pad_to_tokens", "256", "works (L_hat 25.0, -17 %)", "stopped (L_hat 20.1, -33 %)",
+            "stopped (L_hat 20.0, -33 %)", "70 ms"),
+        row("pad_to_tokens", "4096", "stopped (no fit)", "stopped (no fit)", "stopped (no fit)", "1,270 ms")])
+    stop = weakest(table).set_index("knob")
+    assert stop.loc["delay_uniform_ms", "default budget"] == "1000 (498 ms)"
+    assert stop.loc["delay_uniform_ms", "10x budget"] == "none of the swept settings"
+    assert stop.loc["pad_to_tokens", "default budget"] == "4096 (1,270 ms)"
+    assert stop.loc["pad_to_tokens", "10x budget"] == "4096 (1,270 ms)"
+
+
 def _record(name: str, role: str, d: int, L: int, rng: np.random.Generator) -> dict:
     """A timing record on one platform whose latency follows the scaling law: 20 ms + 1e-10 L d ell^2 (+ 0.3 ms jitter)."""
     rows = [LengthTimings(t, [max(t, 30)] * 10, list(0.02 + 1e-10 * L * d * max(t, 30) ** 2 + 3e-4 * rng.standard_normal(10)))
