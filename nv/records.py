@@ -45,10 +45,9 @@ def sci(x: float, digits: int = 2) -> str:
 
 
 def pct(estimate: float, truth: float) -> str:
-    """Signed relative error in %, two significant digits (-7.0 %, +26 %)."""
-    e = round(100 * (estimate - truth) / truth, 1)
-    e = e if abs(e) < 10 else round(e)
-    return f"{e + 0.0:+.1f} %" if abs(e) < 10 else f"{e:+.0f} %"
+    """Signed relative error in %, two significant digits (-7.0 %, +26 %), rounded once from the exact ratio."""
+    e = 100 * (estimate - truth) / truth
+    return f"{round(e, 1) + 0.0:+.1f} %" if abs(round(e, 1)) < 10 else f"{e:+.0f} %"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

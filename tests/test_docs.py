@@ -75,3 +75,11 @@ def test_the_readme_tables_of_the_committed_run_are_what_metrics_holds(tmp_path)
     first = next(records.BLOCK.finditer(README))
     stale.write_text(README.replace(first[0], "", 1))
     assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics"), "--check"]) == 2
+
+
+def test_a_relative_error_is_rounded_once():
+    """+15.48 % reads +15 %, not +16 % by way of 15.5; under 10 % one decimal, 9.96 % reads +10 %."""
+    assert records.pct(570.47, 494.0) == "+15 %"
+    assert records.pct(28.38, 30) == "-5.4 %"
+    assert records.pct(109.96, 100) == "+10 %"
+    assert records.pct(30.0, 30) == records.pct(29.99, 30) == "+0.0 %"
