@@ -72,7 +72,7 @@ def test_block_keeps_the_observed_entries_exactly():
     b = incomplete.block(S, 0.6)
     dense = S.logprobs[:, b.columns].toarray()
     seen = S.counts[:, b.columns].toarray() > 0
-    assert np.array_equal(b.M, seen) and np.array_equal(b.X[seen], dense[seen].astype(np.float64))
+    assert np.array_equal(b.M, seen) and b.X.dtype == np.float32 and np.array_equal(b.X[seen], dense[seen])
     assert (b.q >= 0.6).all() and np.allclose(b.q, seen.mean(axis=0))
     with pytest.raises(NVError, match="frac"):
         incomplete.block(S, 0.0)

@@ -45,7 +45,8 @@ SIDE = 5  # the detector's min_side: gaps it wants on each side of a drop (robus
 
 @dataclass(frozen=True)
 class Block:
-    """X (D x C, float64, 0 where missing), its observation mask M and the columns' observed shares q_j."""
+    """X (D x C, 0 where missing; the sample's float32, float64 for a float64 sample), its observation mask M and the
+    columns' observed shares q_j."""
 
     X: np.ndarray
     M: np.ndarray
@@ -66,9 +67,9 @@ def block(S: SampledMatrix, frac: float) -> Block:
     columns = frequent(S.counts, frac)
     sub = S.logprobs[:, columns].tocsr()
     present = S.counts[:, columns].tocsr()
-    X = np.zeros(sub.shape, dtype=np.float64)
+    X = np.zeros(sub.shape, dtype=np.result_type(sub.dtype, np.float32))  # the served values as stored, no wider
     M = np.zeros(sub.shape, dtype=bool)
-    for q in range(sub.shape[0]):  # row by row: the float64 copy of a CSR slice is the only dense one
+    for q in range(sub.shape[0]):  # row by row: no dense copy of the CSR slice
         cols = present.indices[present.indptr[q]:present.indptr[q + 1]]
         M[q, cols] = True
         X[q, sub.indices[sub.indptr[q]:sub.indptr[q + 1]]] = sub.data[sub.indptr[q]:sub.indptr[q + 1]]
@@ -91,7 +92,7 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
     D, C = b.X.shape
     if not 1 <= k < min(D, C):
         raise NVError(f"rank {k} of the strong part must be in [1, {min(D, C) - 1}]")
-    X = b.X.astype(np.float32)
+    X = b.X.astype(np.float32, copy=False)
     # the missing entries as flat indices (~15 % of the block): the refill gathered and scattered through them, the
     # sweep before's kept as a vector (a 3,000 x 12,660 block: 85 ms a sweep, against 220 for a masked copy and the
     # momentum over the whole block, beside 270 for the three products at k = 450)
@@ -103,6 +104,7 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
     else:
         F = np.where(b.M, X, warm[0])
         start[:, :warm[1].shape[1]] = warm[1]
+    del X  # F holds it where observed; a float64 block's float32 copy is not kept through the sweeps
     U = np.linalg.qr(F @ (F.T @ start))[0]
     n_observed = max(b.M.size - missing.size, 1)
     fill, before = np.take(F, missing), None  # F's refill, and L_{t-1} at the missing entries (C-order flat indices)
@@ -131,8 +133,11 @@ def strong_fit(b: Block, k: int, tol: float, max_iters: int, warm: tuple[np.ndar
 
 
 def residual_singular_values(b: Block, L: np.ndarray, k: int) -> np.ndarray:
-    """Step 3: the singular values of R = M o (X - L) / sqrt(q_j) beyond k (float64 Gram of the shorter side)."""
-    R = np.where(b.M, b.X - L, 0.0) / np.sqrt(b.q)[None, :]
+    """Step 3: the singular values of R = M o (X - L) / sqrt(q_j) beyond k (float64 Gram of the shorter side). R is
+    one float64 block, formed in place."""
+    R = np.subtract(b.X, L, dtype=np.float64)
+    R[~b.M] = 0.0
+    R /= np.sqrt(b.q)[None, :]
     G = R @ R.T if R.shape[0] <= R.shape[1] else R.T @ R
     ev = np.linalg.eigvalsh(G)[::-1]
     return np.sqrt(np.maximum(ev, 0.0))[: min(R.shape) - k]
