@@ -147,10 +147,10 @@ def attack_live(args: argparse.Namespace) -> int:
         plan["paid"] = live.paid_so_far(journal, args.base_url, args.model, params, budget)
         try:
             live.check_budget(plan, budget)
-            over = None
         except NVError as exc:  # said after the plan, with no wait on the endpoint first
             over = exc
-        if over is None:
+        else:
+            over = None
             plan["endpoint_error"] = live.endpoint_check(args.base_url, args.model, params["live"])
         print(live.format_plan(plan, params, args.model, args.base_url, budget, timing))
         if over is not None:
