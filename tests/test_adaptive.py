@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.oracle.defence import Defence, DefendedOracle
-from nv.phase1.adaptive import merge, next_budget, round_seed, sample_adaptive, schedule, stopped
+from nv.phase1.adaptive import folder_estimate, merge, next_budget, round_seed, sample_adaptive, schedule, stopped
 from nv.phase1.pipeline import common_set
 from nv.phase1.sampling import SampledMatrix, collect, iter_shards, load_samples, save_samples, write_samples
 from nv.phase1.spectrum import estimate
@@ -164,6 +164,11 @@ def test_with_the_missing_data_estimator_the_loop_stops_where_the_robust_one_can
     assert why == "stable" and rounds[-1].d_hat_raw == 60 and rounds[-1].check_d_hat_raw in (59, 60, 61)
     assert [r.N for r in rounds] == [r.N for r in alone] == [1500, 3000, 6000, 8486]
     assert "(the missing-data estimator's)" in lines[-1]
+    # a round's estimate hands back the sample's cost, not the frequent tokens' entries the ladder read: no round's are
+    # held through the next round's estimate or its check (the 0.5B's loop: 12.8 GB with them, README)
+    est, _, cost = folder_estimate(tmp_path / "i", robust, ladder, 0)
+    assert est.saturated and cost.budget() == load_samples(tmp_path / "i").budget()
+    assert cost.logprobs.nnz == cost.counts.nnz == 0
 
 
 def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):

@@ -156,15 +156,16 @@ def folder_estimate(folder: Path, robust: dict, ladder: dict | None, seed: int
                     ) -> tuple[SpectrumEstimate, tuple[int, int], SampledMatrix]:
     """``round_estimate`` of the sample in ``folder`` (its common set, ``common_set_of``), and with ``ladder``
     (``spectrum.incomplete``, for ``sampling.estimator: incomplete``) ``missing_data``'s where that is saturated
-    (otherwise the robust one stands, its lower bound the ladder's anchor). Also the part of the sample read (its
-    prompts' tokens, N and cost whole)."""
+    (otherwise the robust one stands, its lower bound the ladder's anchor). Also the sample's cost
+    (``SampledMatrix.cost``: its prompts' tokens, N and tau, no entries: a round's frequent tokens, which the ladder
+    reads, are not held through the next estimate or the check)."""
     common, S = common_set_of(folder, None if ladder is None else ladder["frac"])
     est, shape = round_estimate(common.Y, robust)
     del common
     if ladder is not None and not est.saturated:
         found = missing_data(S, est, shape, {"robust": robust, "incomplete": ladder}, seed)
         est = found if found.saturated else est
-    return est, shape, S
+    return est, shape, S.cost()
 
 
 def assess(r: int, est: SpectrumEstimate, shape: tuple[int, int], budget: dict,
@@ -206,7 +207,7 @@ def sample_adaptive(
     N, previous = sampling["N0"], 0
     next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
     work = Path(checkpoint_root) / "adaptive-merged"  # the rounds merged so far and the check's thinned copy
-    rounds, merged, S = [], None, None  # S: the merged sample's common-set columns (its prompts' tokens, N, cost)
+    rounds, merged, S = [], None, None  # S: the merged sample's cost (its prompts' tokens, N, tau)
     shutil.rmtree(work, ignore_errors=True)  # a stopped run's: rebuilt from the round folders
     try:
         with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)

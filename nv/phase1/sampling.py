@@ -54,6 +54,11 @@ class SampledMatrix:
         """D, N, tau and the §5 cost of this matrix (what a report needs besides the estimate)."""
         return {"D": self.D, "N": self.N, "temperature": self.temperature, "tokens": self.tokens(), "calls": self.calls()}
 
+    def cost(self) -> SampledMatrix:
+        """The same prompts, N and tau without the entries: what ``budget`` reads, not the sample."""
+        empty = sp.csr_matrix(self.logprobs.shape, dtype=np.float32)
+        return SampledMatrix(empty, empty, self.prompt_tokens, self.N, self.temperature)
+
     def subsample(self, N: int, seed: int) -> SampledMatrix:
         """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning)."""
         if not 1 <= N <= self.N:
