@@ -111,12 +111,15 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
         out["phase2"] = timing_cost(timing["calibration"], timing["d_hat"], timing["p_max"])
         out["phase2"]["money"] = budget.money_of(out["phase2"]["tokens_billed"])
     if drawn is not None:
-        from nv.phase1.planner import fit
+        from nv.phase1.planner import disk_bytes, fit
 
         tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
         out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0, **source,
-                        "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n)) for size, n in needed.items()}}
+                        "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n))
+                                       | {"disk": disk_bytes(tail, search["D"], [math.ceil(n)])["sample"]}
+                                       for size, n in needed.items()},
+                        "disk": disk_bytes(tail, search["D"], rounds)}
     return out
 
 
@@ -246,9 +249,14 @@ def _format_pilot(p: dict, money_given: bool) -> str:
                      "target: its prompt tokens per call and its tail are that target's")
     for size, c in pilot["common_set"].items():
         cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:.3g} tokens (§5), "
-                                                    f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else ""))
+                                                    f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else "")
+                                                    + f", the sample ~{_size(c['disk'])} on disk")
         lines.append(f"                    |C| = {size:,}: {cost}")
     lines.append("                    (the robust estimator needs |C| > d, and more on a noisy spectrum: README, planner)")
+    disk = pilot["disk"]
+    lines.append(f"  disk (pilot)      the sample at N = {p['N']:,}: ~{_size(disk['sample'])}"
+                 + (f"; the adaptive loop's peak there ~{_size(disk['peak'])} (every round's draws kept beside it, and "
+                    "a round's check copy)" if p["adaptive"] else "") + ", under --out (lower bounds: README, planner)")
     return "\n".join(lines)
 
 

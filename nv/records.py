@@ -103,15 +103,19 @@ def timing(metrics: dict) -> str:
 
 
 def planner(metrics: dict) -> str:
-    """``metrics/planner.json``: the strict common set measured and predicted from the pilot at each budget."""
+    """``metrics/planner.json``: the strict common set measured and predicted from the pilot at each budget, and the
+    distinct tokens a prompt drew (the sample's size)."""
     rows = []
     for model in dict.fromkeys(c["model"] for c in metrics["checks"]):
         checks = [c for c in metrics["checks"] if c["model"] == model]
         rows.append([label(model), " / ".join(sci(c["N"], 3) for c in checks),
                      " / ".join(f"{c['measured_C']:,}" for c in checks),
                      " / ".join(f"{c['predicted_C']:,.0f}" for c in checks),
-                     " / ".join(f"{c['N_ratio']:.2f}" for c in checks) + " x N"])
-    return table(["model", "N", "measured \\|C\\| (strict)", "predicted", "N the planner asks for that \\|C\\|"], rows)
+                     " / ".join(f"{c['N_ratio']:.2f}" for c in checks) + " x N",
+                     " / ".join(f"{c['measured_distinct']:,.0f}" for c in checks),
+                     " / ".join(f"{c['predicted_distinct']:,.0f}" for c in checks)])
+    return table(["model", "N", "measured \\|C\\| (strict)", "predicted", "N the planner asks for that \\|C\\|",
+                  "distinct tokens a prompt drew", "predicted"], rows)
 
 
 METHODS = {"robust": "robust", "incomplete": "missing-data", "paper": "paper"}

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import write_tiny_params
 from nv.errors import run_main
-from nv.phase1.planner import fit
+from nv.phase1.planner import disk_bytes, fit
 from nv.phase1.sampling import load_samples
 
 NV = [sys.executable, "-m", "nv.cli"]
@@ -68,6 +68,8 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
     for size, cost in pilot["common_set"].items():
         N = tail.samples_for(int(size), 40, N_max=1e8)  # the plan is for the params' D = 40 prompts
         assert (cost is None) == (N is None) and (cost is None or cost["N"] == math.ceil(N)), (size, cost, N)
+        assert cost is None or cost["disk"] == disk_bytes(tail, 40, [cost["N"]])["sample"]  # the sample's bytes there
+    assert pilot["disk"] == disk_bytes(tail, 40, [5000]) and "  disk (pilot)      the sample at N = 5,000: ~" in dry.stdout
     Ns = [c["N"] for c in pilot["common_set"].values() if c]
     assert Ns and Ns == sorted(Ns) and Ns[0] > 5000  # the pilot's own 5000 calls share fewer than 512 tokens
     alone = subprocess.run(NV + planned[:-1] + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)

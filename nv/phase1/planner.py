@@ -28,7 +28,7 @@ import scipy.sparse as sp
 from scipy import optimize
 
 from nv.errors import NVError
-from nv.phase1.sampling import SampledMatrix, head, manifest, observed_mask, thinned_folder
+from nv.phase1.sampling import ENTRY_BYTES, SampledMatrix, head, manifest, observed_mask, thinned_folder
 
 M_GRID = np.linspace(-25.0, 0.0, 251)  # m_i: mean log-probability across prompts
 S_GRID = np.geomspace(0.05, 5.0, 41)  # s_i: its spread across prompts
@@ -61,6 +61,14 @@ class TokenModel:
             mu = np.array([np.sum(np.exp(D * np.log1p(-miss_probability(self.m, self.s, n)))) for n in Ns])
         return mu if np.ndim(N) else float(mu[0])
 
+    def expected_distinct(self, N: float | np.ndarray) -> np.ndarray:
+        """The distinct tokens one prompt like the pilot's draws in N calls, sum_i (1 - I(m_i, s_i; N)): its row's
+        entries of Y_hat (D times it the sample's, ``ENTRY_BYTES`` each on disk). A lower bound, as mu: the tokens left
+        out are not counted (README, planner: within 1-4 % of SmolLM2's and the 0.5B's up to 30x the pilot's N)."""
+        Ns = np.atleast_1d(np.asarray(N, dtype=np.float64))
+        out = np.array([np.sum(1.0 - miss_probability(self.m, self.s, n)) for n in Ns])
+        return out if np.ndim(N) else float(out[0])
+
     def samples_for(self, target: float, D: int, N_max: float = 1e9) -> float | None:
         """The N at which mu(N) reaches ``target`` (bisection on log N); None when even N_max does not."""
         if self.expected_common(N_max, D) < target:
@@ -72,6 +80,19 @@ class TokenModel:
         if short(0.0) >= 0:
             return 1.0
         return math.exp(optimize.brentq(short, 0.0, math.log(N_max), xtol=1e-3))
+
+
+def disk_bytes(model: TokenModel, D: int, rounds: list[int]) -> dict[str, float]:
+    """Disk taken by the draws of D prompts sampled in ``rounds`` (cumulative N; one: a fixed N), at ``ENTRY_BYTES`` an
+    entry of D x ``expected_distinct``: ``sample``, the stored Y_hat at the last N; ``peak``, that plus what the adaptive
+    loop (``nv.phase1.adaptive``) holds beside it at its last round: every round's own draws (kept for a rerun) and the
+    check's copy thinned to N / sqrt 2. A lower bound, as ``expected_distinct``."""
+    size = lambda n: D * ENTRY_BYTES * model.expected_distinct(n)  # noqa: E731
+    sample = size(rounds[-1])
+    if len(rounds) == 1:
+        return {"sample": sample, "peak": sample}
+    own = sum(size(b - a) for a, b in zip([0, *rounds[:-1]], rounds))
+    return {"sample": sample, "peak": own + sample + size(rounds[-1] / math.sqrt(2))}
 
 
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
@@ -118,15 +139,19 @@ def strict_common_size(mask: sp.csr_matrix) -> int:
 
 def check(model: TokenModel, folder: str | Path, budgets: list[int], seed: int) -> list[dict]:
     """The prediction against the full sample stored in ``folder`` at each budget N (nested draws, each thinned from
-    disk and only its observation mask read): measured and predicted |C| over all D prompts, and the N the planner
-    would have asked for to get the measured |C| (``N_ratio`` = that / N)."""
+    disk and only its observation mask read): measured and predicted |C| over all D prompts, the N the planner
+    would have asked for to get the measured |C| (``N_ratio`` = that / N), and the distinct tokens a prompt drew
+    (the sample's size: ``TokenModel.expected_distinct``), measured and predicted."""
     meta, rows = manifest(folder), []
     for N in sorted(b for b in budgets if b <= meta["N"]):
         with thinned_folder(folder, N, seed) as at:
-            measured = strict_common_size(observed_mask(at))
+            mask = observed_mask(at)
+            measured, distinct = strict_common_size(mask), mask.nnz / meta["D"]
+            del mask
         N_pred = model.samples_for(measured, meta["D"]) if measured else None
         rows.append({"N": N, "D": meta["D"], "measured_C": measured, "predicted_C": model.expected_common(N, meta["D"]),
-                     "N_predicted": N_pred, "N_ratio": None if N_pred is None else N_pred / N})
+                     "N_predicted": N_pred, "N_ratio": None if N_pred is None else N_pred / N,
+                     "measured_distinct": distinct, "predicted_distinct": model.expected_distinct(N)})
     return rows
 
 

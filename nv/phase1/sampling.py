@@ -27,6 +27,8 @@ from nv.errors import NPZ_ERRORS, NVError
 from nv.oracle.base import BudgetExhausted, Oracle
 
 MANIFEST = "manifest.json"
+ENTRY = {"indices": np.int32, "logprobs": np.float32, "counts": np.int32}  # a stored entry of Y_hat, in the shards
+ENTRY_BYTES = sum(np.dtype(t).itemsize for t in ENTRY.values())  # 12 bytes on disk (uncompressed shards)
 
 
 @dataclass
@@ -111,8 +113,8 @@ def _save_rows(path: Path, indptr, indices, logprobs, counts, prompt_tokens, voc
     """Write one shard (CSR arrays of its rows and their prompts' tokens) atomically: a temporary file, then a rename."""
     tmp = path.with_suffix(".tmp.npz")
     try:
-        np.savez(tmp, indptr=np.asarray(indptr, dtype=np.int64), indices=np.asarray(indices, dtype=np.int32),
-                 logprobs=np.asarray(logprobs, dtype=np.float32), counts=np.asarray(counts, dtype=np.int32),
+        np.savez(tmp, indptr=np.asarray(indptr, dtype=np.int64), indices=np.asarray(indices, dtype=ENTRY["indices"]),
+                 logprobs=np.asarray(logprobs, dtype=ENTRY["logprobs"]), counts=np.asarray(counts, dtype=ENTRY["counts"]),
                  prompt_tokens=np.asarray(prompt_tokens, dtype=np.int32), vocab_size=vocab_size)
     except BaseException as exc:  # a torn file (a full disk, Ctrl-C) is not left to hold the space
         tmp.unlink(missing_ok=True)
@@ -298,9 +300,8 @@ def _read_shards(folder: str | Path, fields: tuple[str, ...], columns: np.ndarra
     shard by shard: peak memory is the matrix itself, not twice it (a list of parts, then their concatenation).
     ``columns`` (a boolean mask over the vocabulary): only those tokens' entries are kept."""
     meta, paths, nnz = _shards(Path(folder), columns)
-    dtypes = {"indices": np.int32, "logprobs": np.float32, "counts": np.int32}
     arrays = {"indptr": np.zeros(meta["D"] + 1, dtype=np.int64), "prompt_tokens": np.empty(meta["D"], dtype=np.int32),
-              **{k: np.empty(nnz, dtype=dtypes[k]) for k in fields}}
+              **{k: np.empty(nnz, dtype=ENTRY[k]) for k in fields}}
     row = offset = 0
     for path in paths:
         with _reading(path) as z:
