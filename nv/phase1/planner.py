@@ -61,7 +61,7 @@ class TokenModel:
             mu = np.array([np.sum(np.exp(D * np.log1p(-miss_probability(self.m, self.s, n)))) for n in Ns])
         return mu if np.ndim(N) else float(mu[0])
 
-    def expected_distinct(self, N: float | np.ndarray) -> np.ndarray:
+    def expected_distinct(self, N: float | np.ndarray) -> float | np.ndarray:
         """The distinct tokens one prompt like the pilot's draws in N calls, sum_i (1 - I(m_i, s_i; N)): its row's
         entries of Y_hat (D times it the sample's, ``ENTRY_BYTES`` each on disk). A lower bound, as mu: the tokens left
         out are not counted (README, planner: within 1-4 % of SmolLM2's and the 0.5B's up to 30x the pilot's N)."""
@@ -87,7 +87,9 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int]) -> dict[str, float]
     entry of D x ``expected_distinct``: ``sample``, the stored Y_hat at the last N; ``peak``, that plus what the adaptive
     loop (``nv.phase1.adaptive``) holds beside it at its last round: every round's own draws (kept for a rerun) and the
     check's copy thinned to N / sqrt 2. A lower bound, as ``expected_distinct``."""
-    size = lambda n: D * ENTRY_BYTES * model.expected_distinct(n)  # noqa: E731
+    def size(N: float) -> float:
+        return D * ENTRY_BYTES * model.expected_distinct(N)
+
     sample = size(rounds[-1])
     if len(rounds) == 1:
         return {"sample": sample, "peak": sample}
