@@ -256,7 +256,7 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     disk = pilot["disk"]
     lines.append(f"  disk (pilot)      the sample at N = {p['N']:,}: ~{_size(disk['sample'])}"
                  + (f"; the adaptive loop's peak there ~{_size(disk['peak'])} (every round's draws kept beside it, and "
-                    "a round's check copy)" if p["adaptive"] else "") + ", under --out (lower bounds: README, planner)")
+                    "a round's check copy)" if p["adaptive"] else "") + ", under --out (the pilot's fit, which errs low: README, planner)")
     return "\n".join(lines)
 
 

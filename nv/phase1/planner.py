@@ -63,8 +63,9 @@ class TokenModel:
 
     def expected_distinct(self, N: float | np.ndarray) -> float | np.ndarray:
         """The distinct tokens one prompt like the pilot's draws in N calls, sum_i (1 - I(m_i, s_i; N)): its row's
-        entries of Y_hat (D times it the sample's, ``ENTRY_BYTES`` each on disk). A lower bound, as mu: the tokens left
-        out are not counted (README, planner: within 1-4 % of SmolLM2's and the 0.5B's up to 30x the pilot's N)."""
+        entries of Y_hat (D times it the sample's, ``ENTRY_BYTES`` each on disk). The tokens left out are not counted,
+        as in mu, so it errs low at large N (README, planner: +1.1 % to -3.7 % on SmolLM2 and the 0.5B, up to 30x the
+        pilot's N)."""
         Ns = np.atleast_1d(np.asarray(N, dtype=np.float64))
         out = np.array([np.sum(1.0 - miss_probability(self.m, self.s, n)) for n in Ns])
         return out if np.ndim(N) else float(out[0])
@@ -86,7 +87,7 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int]) -> dict[str, float]
     """Disk taken by the draws of D prompts sampled in ``rounds`` (cumulative N; one: a fixed N), at ``ENTRY_BYTES`` an
     entry of D x ``expected_distinct``: ``sample``, the stored Y_hat at the last N; ``peak``, that plus what the adaptive
     loop (``nv.phase1.adaptive``) holds beside it at its last round: every round's own draws (kept for a rerun) and the
-    check's copy thinned to N / sqrt 2. A lower bound, as ``expected_distinct``."""
+    check's copy thinned to N / sqrt 2. From ``expected_distinct``, so it errs low as that does."""
     def size(N: float) -> float:
         return D * ENTRY_BYTES * model.expected_distinct(N)
 
