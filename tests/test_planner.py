@@ -70,12 +70,13 @@ def test_a_small_pilot_predicts_the_budget_of_the_full_attack(toy, tmp_path, mon
 
 def test_the_pilot_predicts_the_size_of_the_sample(toy):
     """The distinct tokens a prompt draws (its row's entries of Y_hat) and the stored sample's bytes on disk, from the
-    same pilot of 0.25 % of the calls: within 5 % of the measured ones at 4x and 40x its N (the check's rows too)."""
+    same pilot of 0.25 % of the calls: within 2 % of the measured ones at 2x and 4x its N (~250 and ~280 of the toy's
+    300 tokens; by 2·10^4 calls a prompt draws nearly all), within 5 % on disk (the check's rows too)."""
     S, folder = toy
     model = fit(first(S, 40).subsample(500, 1))
-    for N in (2_000, 20_000):
+    for N in (1_000, 2_000):
         measured = S.subsample(N, 0).counts.nnz / S.D
-        assert model.expected_distinct(N) == pytest.approx(measured, rel=0.05), N
+        assert measured < 290 and model.expected_distinct(N) == pytest.approx(measured, rel=0.02), N
     row = check(model, folder, [2_000], 0)[0]
     assert row["measured_distinct"] == S.subsample(2_000, 0).counts.nnz / S.D
     assert row["predicted_distinct"] == model.expected_distinct(2_000)
