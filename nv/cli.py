@@ -141,8 +141,9 @@ def attack_live(args: argparse.Namespace) -> int:
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
                   "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
-    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None, (args.base_url, args.model), timing)
     journal = Path(args.journal) if args.journal else Path(args.out) / "journal.jsonl"
+    plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None, (args.base_url, args.model), timing,
+                     {"out": Path(args.out), "journal": journal})
     if args.dry_run:
         plan["paid"] = live.paid_so_far(journal, args.base_url, args.model, params, budget)
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def _cost(params: dict, budget: Budget, N: int) -> dict:
 
 
 def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[str, str] | None = None,
-         timing: dict | None = None) -> dict:
+         timing: dict | None = None, places: dict[str, Path] | None = None) -> dict:
     """Planned calls and tokens of phase 1 before anything is sent (§5, §4.1.2).
 
     Calls: the search's rounds x batch T = 0 calls, then D x N samples, plus two probe requests.
@@ -73,7 +74,8 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
     (``nv.phase1.planner``) expects the D prompts to share each of ``PLAN_SIZES`` tokens; ``target`` (endpoint, model)
     names the attack planned, and a pilot drawn elsewhere (another endpoint or model, a simulated model) is flagged.
     With ``timing`` (``attack``'s), phase 2's requests and tokens (``nv.phase2.live.timing_cost``), which the budget
-    check adds to phase 1's.
+    check adds to phase 1's. With ``places`` (``{"out": --out, "journal": --journal}``): each volume's free space
+    against what the plan writes there (``disk_check``).
     """
     search, sampling = params["search"], params["sampling"]
     drawn = None
@@ -120,7 +122,25 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
                                        | {"disk": disk_bytes(tail, search["D"], [math.ceil(n)])["sample"]}
                                        for size, n in needed.items()},
                         "disk": disk_bytes(tail, search["D"], rounds)}
+    if places is not None:
+        writes = [("journal", places["journal"], out["journal_bytes"]["disk"])]
+        if "pilot" in out:
+            writes.append(("sample's peak" if adaptive else "sample", places["out"], out["pilot"]["disk"]["peak"]))
+        out["disk_free"] = disk_check(writes)
     return out
+
+
+def disk_check(writes: list[tuple[str, Path, float]]) -> list[dict]:
+    """Free space against planned writes ``(what, path, bytes)``, per volume: the nearest existing folder at or above
+    each path (the attack creates the rest), its volume's free bytes, what goes there and whether it fits."""
+    volumes: dict[int, dict] = {}
+    for what, path, size in writes:
+        at = Path(path).absolute()
+        while not at.exists():
+            at = at.parent
+        volume = volumes.setdefault(at.stat().st_dev, {"path": str(at), "free": shutil.disk_usage(at).free, "writes": {}})
+        volume["writes"][what] = size
+    return [v | {"fits": sum(v["writes"].values()) <= v["free"]} for v in volumes.values()]
 
 
 def pilot_source(model: object, live: dict, target: tuple[str, str] | None) -> dict:
@@ -189,6 +209,11 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
+        + "".join(f"\n  disk free         ~{_size(v['free'])} at {v['path']}, for the "
+                  + " and the ".join(f"{what} (~{_size(size)})" for what, size in v["writes"].items())
+                  + ("" if v["fits"] else ": WARNING, not enough: the attack would stop when the volume is full "
+                     "(resumable; free space or give another --out / --journal before it starts)")
+                  for v in p.get("disk_free", []))
         + ("" if not p.get("paid") else
            f"\n  already paid      {p['paid']['requests']:,} requests, {p['paid']['tokens_billed']:,} billed tokens"
            + ("" if p["paid"]["money"] is None else f", money {p['paid']['money']:.6g}")

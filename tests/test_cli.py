@@ -70,6 +70,21 @@ def test_attack_simulate_writes_report_and_says_not_saturated_at_a_tiny_budget(r
         assert (cost is None) == (N is None) and (cost is None or cost["N"] == math.ceil(N)), (size, cost, N)
         assert cost is None or cost["disk"] == disk_bytes(tail, 40, [cost["N"]])["sample"]  # the sample's bytes there
     assert pilot["disk"] == disk_bytes(tail, 40, [5000]) and "  disk (pilot)      the sample at N = 5,000: ~" in dry.stdout
+    volume, = planned_json["disk_free"]  # --out (not given: ./attack-out) and its journal in it: one volume
+    assert volume["writes"] == {"journal": planned_json["journal_bytes"]["disk"], "sample": pilot["disk"]["peak"]}
+    assert volume["fits"] and "  disk free         ~" in dry.stdout and "WARNING" not in dry.stdout
+    # N = 10^12 plans a journal of ~5 PB: more than any volume here holds, said before anything is paid
+    huge = yaml.safe_load(params.read_text())
+    huge["sampling"]["N"] = 10**12
+    (tmp_path / "huge.yaml").write_text(yaml.safe_dump(huge, allow_unicode=True, sort_keys=False))
+    big = subprocess.run(NV + planned[:-2] + [str(tmp_path / "huge.yaml"), "--dry-run", "--out", str(tmp_path / "new" / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert big.returncode == 0, big.stderr[-2000:]
+    volume, = json.loads(big.stdout.strip().splitlines()[-1])["disk_free"]
+    assert volume["path"] == str(tmp_path) and not volume["fits"]  # the nearest folder that exists
+    now = shutil.disk_usage(tmp_path)  # the other tests write beside it: the same volume's free space, roughly
+    assert abs(volume["free"] - now.free) < 0.1 * now.total
+    assert f"at {tmp_path}, for the journal (~" in big.stdout and "WARNING, not enough" in big.stdout
     Ns = [c["N"] for c in pilot["common_set"].values() if c]
     assert Ns and Ns == sorted(Ns) and Ns[0] > 5000  # the pilot's own 5000 calls share fewer than 512 tokens
     alone = subprocess.run(NV + planned[:-1] + ["--pilot", str(out / "samples")], capture_output=True, text=True, timeout=300)
