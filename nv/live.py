@@ -121,7 +121,7 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
                         "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n))
                                        | {"disk": disk_bytes(tail, search["D"], [math.ceil(n)])["sample"]}
                                        for size, n in needed.items()},
-                        "disk": disk_bytes(tail, search["D"], rounds)}
+                        "disk": disk_bytes(tail, search["D"], rounds, adaptive)}
     if places is not None:
         writes = [("journal", places["journal"], out["journal_bytes"]["disk"])]
         if "pilot" in out:
@@ -281,7 +281,8 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     disk = pilot["disk"]
     lines.append(f"  disk (pilot)      the sample at N = {p['N']:,}: ~{_size(disk['sample'])}"
                  + (f"; the adaptive loop's peak there ~{_size(disk['peak'])} (every round's draws kept beside it, and "
-                    "a round's check copy)" if p["adaptive"] else "") + ", under --out (the pilot's fit, which errs low: README, planner)")
+                    "the merged sample before it or a round's check copy; a sqrt 2 step after a failed check adds a "
+                    "round's draws)" if p["adaptive"] else "") + ", under --out (the pilot's fit, which errs low: README, planner)")
     return "\n".join(lines)
 
 

@@ -5,12 +5,15 @@ README: planner."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import numpy as np
 import pytest
 
 from nv.errors import NVError
+from nv.phase1 import sampling
+from nv.phase1.adaptive import sample_adaptive, schedule
 from nv.phase1.exactness import first
 from nv.phase1.planner import check, disk_bytes, fit, miss_probability, pilot_of, summarise
 from nv.phase1.sampling import ENTRY_BYTES, collect, load_samples, sample_budget
@@ -84,8 +87,65 @@ def test_the_pilot_predicts_the_size_of_the_sample(toy):
     assert disk_bytes(model, S.D, [S.N])["sample"] == pytest.approx(stored, rel=0.05)
     assert disk_bytes(model, S.D, [S.N])["sample"] == S.D * ENTRY_BYTES * model.expected_distinct(S.N)
     # the adaptive loop keeps every round's draws beside the merged sample, and a check's copy while it runs
-    loop = disk_bytes(model, S.D, [5_000, 10_000, 20_000])
+    loop = disk_bytes(model, S.D, [5_000, 10_000, 20_000], adaptive=True)
     assert loop["sample"] == disk_bytes(model, S.D, [S.N])["sample"] and loop["peak"] > 2.5 * loop["sample"]
+
+
+class Measured:
+    """``TokenModel.expected_distinct`` read off a real sample: the distinct tokens a prompt drew in its first N calls
+    (the sample thinned to N), so that ``disk_bytes``' accounting is checked apart from the fit's."""
+
+    def __init__(self, S):
+        self.S = S
+
+    def expected_distinct(self, N: float) -> float:
+        return self.S.subsample(int(N), 0).counts.nnz / self.S.D
+
+
+@pytest.mark.parametrize("N_max", [2_000, 2_100])
+def test_the_adaptive_loop_on_disk_at_its_peak_is_the_planned_peak(tmp_path, monkeypatch, N_max):
+    """``disk_bytes``' peak against the bytes the loop holds at its worst moment, read after every shard it writes and
+    before every folder it removes or after it copies one (the functions wrapped to look, not replaced): one round of
+    2,000 (its output copied beside its own folder: twice the sample) and rounds of 1,000, 2,000, 2,100 (the second
+    merge written beside the first, which outweighs the check's copy at 2,100 / sqrt 2 by ~8 % of the peak). Next
+    tokens nearly flat over 20,000, so a prompt's distinct tokens grow nearly as N; never saturated, so no check."""
+    root = tmp_path / "run"
+    peak = [0]
+
+    def look():
+        peak[0] = max(peak[0], sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
+
+    save, rmtree, copytree = sampling._save_rows, shutil.rmtree, shutil.copytree
+
+    def saved(*args, **kwargs):
+        save(*args, **kwargs)
+        look()
+
+    def removed(*args, **kwargs):
+        look()
+        rmtree(*args, **kwargs)
+
+    def copied(*args, **kwargs):
+        out = copytree(*args, **kwargs)
+        look()
+        return out
+
+    monkeypatch.setattr(sampling, "_save_rows", saved)
+    monkeypatch.setattr(shutil, "rmtree", removed)
+    monkeypatch.setattr(shutil, "copytree", copied)
+    plan = {"N0": min(1_000 if N_max > 2_000 else N_max, N_max), "N_max": N_max, "growth": 2.0, "temperature": 1.0,
+            "chunk": 10}
+    never = {"g": 8, "z_min": 1e9, "min_ratio": 1e9}
+    folder, rounds, why = sample_adaptive(LowRankOracle(vocab=20_000, scale=0.1), [f"prompt {q}" for q in range(30)], plan,
+                                          never, 0, root / "out", 20_000, root / "ck", {"m": "toy"}, progress=False)
+    monkeypatch.undo()
+    planned_rounds = schedule(plan["N0"], N_max, 2.0)
+    assert [r.N for r in rounds] == planned_rounds == ([2_000] if N_max == 2_000 else [1_000, 2_000, 2_100])
+    assert why == "N_max" and not any(r.saturated for r in rounds)
+    S = load_samples(folder)
+    planned = disk_bytes(Measured(S), S.D, planned_rounds, adaptive=True)
+    assert planned["sample"] == pytest.approx(sum(f.stat().st_size for f in folder.iterdir()), rel=0.03)
+    assert planned["peak"] == pytest.approx(peak[0], rel=0.03), (planned, peak[0])
 
 
 def test_a_pilot_too_small_to_fit_is_refused(toy):

@@ -83,19 +83,27 @@ class TokenModel:
         return math.exp(optimize.brentq(short, 0.0, math.log(N_max), xtol=1e-3))
 
 
-def disk_bytes(model: TokenModel, D: int, rounds: list[int]) -> dict[str, float]:
-    """Disk taken by the draws of D prompts sampled in ``rounds`` (cumulative N; one: a fixed N), at ``ENTRY_BYTES`` an
-    entry of D x ``expected_distinct``: ``sample``, the stored Y_hat at the last N; ``peak``, that plus what the adaptive
-    loop (``nv.phase1.adaptive``) holds beside it at its last round: every round's own draws (kept for a rerun) and the
-    check's copy thinned to N / sqrt 2. From ``expected_distinct``, so it errs low as that does."""
+def disk_bytes(model: TokenModel, D: int, rounds: list[int], adaptive: bool = False) -> dict[str, float]:
+    """Disk taken by the draws of D prompts, at ``ENTRY_BYTES`` an entry of D x ``expected_distinct``: ``sample``, the
+    stored Y_hat at ``rounds[-1]``; ``peak``, the most on disk at once. A fixed N (one round, not ``adaptive``) writes
+    the sample alone. The adaptive loop (``nv.phase1.adaptive``; ``rounds``: its cumulative N) peaks at its last
+    round: every round's own draws (kept for a rerun), the merged sample, and beside it the one merged before it
+    (while it is written; round 1 merges into round 0's own folder) or the check's copy thinned to N / sqrt 2 (written
+    after that one is removed), whichever is larger; a single round's output is copied from its own folder. It
+    assumes the rounds as planned: a saturated round whose check fails is followed by a sqrt 2 step, one more round's
+    draws. From ``expected_distinct``, so it errs low as that does."""
     def size(N: float) -> float:
         return D * ENTRY_BYTES * model.expected_distinct(N)
 
     sample = size(rounds[-1])
-    if len(rounds) == 1:
+    if not adaptive:
         return {"sample": sample, "peak": sample}
     own = sum(size(b - a) for a, b in zip([0, *rounds[:-1]], rounds))
-    return {"sample": sample, "peak": own + sample + size(rounds[-1] / math.sqrt(2))}
+    check = size(rounds[-1] / math.sqrt(2))
+    if len(rounds) == 1:  # the check beside round 0's folder, then the output copied from it
+        return {"sample": sample, "peak": own + max(check, sample)}
+    before = size(rounds[-2]) if len(rounds) > 2 else 0.0
+    return {"sample": sample, "peak": own + sample + max(before, check)}
 
 
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
