@@ -195,6 +195,13 @@ def _count(text: str) -> int:
     return int(value)
 
 
+def _size(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
+
+
 def _positive(text: str) -> float:
     value = _number(text)
     if not 0 < value < math.inf:
@@ -234,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(and P_hat), with 90 %% intervals")
     phase2.add_argument("--timing-k", type=_positive, metavar="K",
                         help="platform transfer factor k of Eq. 8 (default 1: the endpoint runs on the calibration's platform)")
-    phase2.add_argument("--vocab-size", type=_count, metavar="V", help="|V| or an upper bound, for P_hat (the prefill curve's and Eq. 3's)")
-    phase2.add_argument("--context-length", type=_count, metavar="P", help="the endpoint's context p_max (sweep cap; default 8192)")
-    phase2.add_argument("--timing-d-hat", type=_count, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
+    phase2.add_argument("--vocab-size", type=_size, metavar="V", help="|V| or an upper bound, for P_hat (the prefill curve's and Eq. 3's)")
+    phase2.add_argument("--context-length", type=_size, metavar="P", help="the endpoint's context p_max (sweep cap; default 8192)")
+    phase2.add_argument("--timing-d-hat", type=_size, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
     p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="with --simulate: switch on a provider defence (params.yaml section defence), e.g. round_decimals=1")
     p.add_argument("--params", help="params file (sections model, search, sampling, spectrum; live with --base-url); default: "

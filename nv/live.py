@@ -26,10 +26,12 @@ EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1
 PLAN_SIZES = (512, 1024, 2048, 4096, 8192)  # common-set sizes the pilot's plan lines are for (typical hidden sizes)
 # live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
 REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns")
-# binding paths a rerun may change and keep its journal: how many samples and how they are stored, not what a request
-# asks (a request's identity is its body, with its own seed): raising N, N_max or live.columns after a stop reuses
-# every paid reply, and the journal's cost stays everything paid through it
-UNBOUND = ("sampling.N", "sampling.N_max", "sampling.chunk", "live.columns")
+# binding paths a rerun may change and keep its journal: how many samples, how the rounds grow, how the draws are
+# stored and estimated, not what a request asks (a request's identity is its body, with its own seed): raising N or
+# N_max, or switching to sampling.estimator: incomplete, after a stop reuses every paid reply, and the journal's cost
+# stays everything paid through it
+UNBOUND = ("sampling.N", "sampling.N_max", "sampling.N0", "sampling.growth", "sampling.estimator", "sampling.chunk",
+           "live.columns")
 # a paid reply in the journal: bytes of its line on disk, and of memory at the peak, the index that finds the line
 # merging its runs (benchmarks/bench_journal_memory.py, 2^20 one-sample replies, resident: 37 bytes each held while
 # the attack runs, 45 at its peak, 45-50 at the peak of a resume's read, two runs)

@@ -51,7 +51,15 @@ REQUEST_FIELDS = {"model", "max_tokens", "max_completion_tokens", "min_tokens", 
 
 
 def _plain_json(value) -> bool:
-    """Sendable as a request body: JSON with no dates, NaN or other YAML-only values."""
+    """Sendable as a request body: JSON with string keys (YAML reads ``on:``, ``no:`` or ``1:`` as others) and no
+    dates, NaN or other YAML-only values."""
+    def string_keys(v) -> bool:
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and string_keys(x) for k, x in v.items())
+        return all(string_keys(x) for x in v) if isinstance(v, list) else True
+
+    if not string_keys(value):
+        return False
     try:
         json.dumps(value, allow_nan=False)
         return True
@@ -160,9 +168,9 @@ SCHEMA: dict[str, dict] = {
         "n_per_request": _POS_INT,
         "top_logprobs": _NONNEG_INT,
         "extra_body": (dict, lambda v: _plain_json(v) and not set(v) & REQUEST_FIELDS,
-                       f"a mapping of plain JSON (no dates, no NaN) setting none of the attack's own fields "
+                       f"a mapping of plain JSON (string keys: quote 'on', 'no' or numbers; no dates, no NaN) setting none of the attack's own fields "
                        f"({', '.join(sorted(REQUEST_FIELDS))}: the report would describe other requests than were sent)"),
-        "columns": _POS_INT,
+        "columns": (int, lambda v: 1 <= v <= 2**24, "in [1, 2^24]: one column per distinct token (a vocabulary's size)"),
         "prompt_tokens": _POS_INT,
         "concurrency": _POS_INT,
         "rpm": ((int, float), lambda v: v >= 0, ">= 0"),

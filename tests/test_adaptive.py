@@ -32,6 +32,10 @@ def test_schedule_grows_geometrically_to_n_max():
     for bad in ((0, 10, 2.0), (20, 10, 2.0), (10, 100, 1.0)):
         with pytest.raises(NVError, match="adaptive sampling needs"):
             schedule(*bad)
+    # a growth barely above 1: a round per call (10^6 of them, planned by the dry run in a hang), refused in one line
+    with pytest.raises(NVError, match=r"sampling.growth = 1.0000001 takes more than 64 rounds .* at least 1.07"):
+        schedule(10_000, 10**6, 1.0000001)
+    assert len(schedule(1, 10**9, 1.4)) == 61  # log(10^9) / log(1.4) = 61.6 steps (fewer: ceil at small N), a plan
 
 
 def test_a_saturated_round_that_fails_its_check_is_followed_by_one_sqrt2_larger():
@@ -199,6 +203,18 @@ def test_a_stopped_loop_leaves_its_rounds_and_no_merged_sample(tmp_path):
     _, rounds, _ = sample_adaptive(oracle, PROMPTS, sampling, ROBUST, 0, tmp_path / "s", 300, tmp_path / "ck", {"m": "toy"},
                                    progress=False, report=lambda line: None)
     assert [r.N for r in rounds] == [100, 200, 400] and oracle.sample_calls == len(PROMPTS)  # round 2 alone
+    # the same checkpoint root for another target, temperature or width: no finished round of this one is taken for
+    # it (the round folders' names hold only the round, seed and size; they used to be reused, another model's d)
+    for identity, tau, width in (({"m": "another toy"}, 2.0, 300), ({"m": "toy"}, 1.0, 300), ({"m": "toy"}, 2.0, 400)):
+        other = LowRankOracle(rank=5)
+        _, rounds, _ = sample_adaptive(other, PROMPTS, sampling | {"temperature": tau}, ROBUST, 0, tmp_path / "s", width,
+                                       tmp_path / "ck", identity, progress=False, report=lambda line: None)
+        assert other.sample_calls == 3 * len(PROMPTS), (identity, tau, width)  # every round drawn again
+    # ... and the run's own are still its own (a storage change, sampling.chunk, keeps them)
+    same = LowRankOracle()
+    sample_adaptive(same, PROMPTS, sampling | {"chunk": 20}, ROBUST, 0, tmp_path / "s", 300, tmp_path / "ck", {"m": "toy"},
+                    progress=False, report=lambda line: None)
+    assert same.sample_calls == 0
 
 
 def test_on_the_simulator_the_rounds_share_one_forward_pass_per_batch(lm32, tmp_path):

@@ -177,6 +177,10 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--timing-k", k],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and proc.stderr.strip().endswith(f"must be a finite number > 0, got {k}"), proc.stderr
+    for flag in ("--timing-d-hat", "--vocab-size", "--context-length"):  # 0 is no size (--timing-d-hat 0 read as "phase 1's")
+        proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", flag, "0"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(f"{flag}: must be a whole number >= 1, got 0"), proc.stderr
 
 
 def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):

@@ -26,7 +26,7 @@ from nv.cli import main
 from nv.errors import NVError
 from nv.oracle import journal as journal_module
 from nv.oracle.journal import Journal, request_key
-from nv.live import binding
+from nv.live import UNBOUND, binding
 from nv.models.llama_server import LlamaServer, free_port
 from nv.oracle.http import Budget, HTTPOracle, parse_reply
 
@@ -551,10 +551,13 @@ def test_bad_input_is_one_line_and_costs_nothing(server, root, tmp_path, capsys,
             assert message in err and proxy.posts == posts, (err, proxy.posts)
     err = _error(capsys, attack_args(f"http://127.0.0.1:{free_port()}/v1", name, params, tmp_path / "o"))
     assert "cannot reach" in err
-    with monkeypatch.context() as env:  # a key no HTTP header can carry (httpx: UnicodeEncodeError, a traceback)
-        env.setenv("OPENAI_API_KEY", "sk-\u00fcber")
-        err = _error(capsys, attack_args(server.base_url, name, params, tmp_path / "o-key", "--dry-run"))
-        assert err == "error: $OPENAI_API_KEY holds a character an HTTP header cannot carry: check its value"
+    # a key no HTTP header can carry: httpx's UnicodeEncodeError (a traceback), or h11's error naming the header, the
+    # key in it, in "cannot reach" (a key pasted with its line break)
+    for key in ("sk-\u00fcber", "sk-secret\n", "sk-secret ", "sk-se\x07cret"):
+        with monkeypatch.context() as env:
+            env.setenv("OPENAI_API_KEY", key)
+            err = _error(capsys, attack_args(server.base_url, name, params, tmp_path / "o-key", "--dry-run"))
+            assert err.startswith("error: $OPENAI_API_KEY holds a character an HTTP header cannot carry") and "secret" not in err
     with LlamaServer("embedded", n_ctx=256, logprobs=False) as plain, FaultProxy(plain.base_url) as proxy:
         few = write_params(root, tmp_path, name="few-retries.yaml", retries=1)
         err = _error(capsys, attack_args(proxy.url, plain.model_name, few, tmp_path / "o-plain"))
@@ -651,6 +654,68 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
     unbound.close()
     with pytest.raises(NVError, match=r"belongs to another attack \(endpoint was 'e', now 'f'\)"):
         Journal(path, {"endpoint": "f", "N": 12}, unbound=("N",))
+
+
+def test_a_rerun_may_change_how_many_requests_a_round_makes_but_not_what_they_ask(root, tmp_path):
+    """The sampling keys that decide how many requests each round makes (N, N_max, N0, growth), how the draws are
+    stored or estimated (chunk, estimator, live.columns) keep a journal's paid replies: a request's key is its whole
+    body, so a rerun finds the same requests paid. tau, D and the seed shape the requests: they bind it (an auditor
+    switching to the cheaper estimator after a stop used to be sent to a new --out, to pay for everything again)."""
+    params = _load(write_params(root, tmp_path))
+    path = tmp_path / "j.jsonl"
+    paid = Journal(path, binding("http://e/v1", "m", params), UNBOUND)
+    paid.put("k0", {"c": [], "p": 1, "o": 1})
+    paid.close()
+    changed = {**params, "sampling": params["sampling"] | {"N": "auto", "N0": 7, "N_max": 900, "growth": 3.0,
+                                                           "estimator": "incomplete", "chunk": 3},
+               "live": params["live"] | {"columns": 1024}}
+    again = Journal(path, binding("http://e/v1", "m", changed), UNBOUND)
+    assert again.requests == 1 and "k0" in again
+    again.close()
+    for section, key, value in (("sampling", "temperature", 1.5), ("search", "D", 5), ("live", "n_per_request", 2)):
+        other = {**params, section: params[section] | {key: value}}
+        with pytest.raises(NVError, match=f"belongs to another attack \\({section}.{key} was"):
+            Journal(path, binding("http://e/v1", "m", other), UNBOUND)
+
+
+def test_journal_is_a_regular_file_on_a_file_system_that_locks(tmp_path, monkeypatch):
+    """--journal /dev/null (it took every paid reply and gave none back; os.fsync's EINVAL then ended in a traceback)
+    or a FIFO is refused in one line; so is a file system without locks (NFS's ENOLCK, which does not exist here:
+    flock fails as it would there), which is not "in use by another process"."""
+    os.mkfifo(tmp_path / "fifo")
+    for special in ("/dev/null", tmp_path / "fifo"):
+        with pytest.raises(NVError, match="is not a regular file: give a file's path"):
+            Journal(special, {"endpoint": "e"})
+    monkeypatch.setattr(journal_module.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(37, "No locks available")))
+    with pytest.raises(NVError, match=r"cannot be locked \(No locks available; a network file system\?\)"):
+        Journal(tmp_path / "j.jsonl", {"endpoint": "e"})
+
+
+def test_a_full_disk_leaves_no_torn_line_in_the_journal(tmp_path):
+    """A journal on a real full disk (a one-page tmpfs): the reply whose line does not fit is written in part, then the
+    write fails; the part is cut off, so the replies written once there is room follow whole lines and the journal
+    reopens with every one of them (a torn line inside the file made the whole journal untrusted). Mounting needs
+    root: skipped elsewhere."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    try:
+        j = Journal(disk / "j.jsonl", {"endpoint": "e"})
+        paid = 0
+        with pytest.raises(OSError, match="No space left on device"):
+            while True:
+                j.put(f"k{paid}", {"c": [], "p": 1, "o": 1})
+                paid += 1
+        assert (disk / "j.jsonl").stat().st_size == j._end  # whole lines only: the torn part cut off
+        subprocess.run(["mount", "-o", "remount,size=64k", str(disk)], check=True)
+        j.put("after", {"c": [], "p": 1, "o": 1})
+        j.close()
+        again = Journal(disk / "j.jsonl", {"endpoint": "e"})
+        assert again.requests == paid + 1 > 40 and "after" in again and f"k{paid}" not in again
+        again.close()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def test_journal_index_finds_every_reply_through_colliding_prefixes_and_runs(tmp_path, monkeypatch):

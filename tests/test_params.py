@@ -78,6 +78,11 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
     for field in ("temperature", "max_tokens", "model"):  # it was merged after the attack's own fields, and won
         with pytest.raises(NVError, match=r"'live.extra_body' must be .* setting none of the attack's own fields"):
             load_params(write(tmp_path, {**params, "live": {**params["live"], "extra_body": {field: 1}}}), ["live"])
+    for body in ({True: 1, "top_k": 0}, {"chat_template_kwargs": {2: "x", "b": "y"}}, {1: 2}):  # YAML's `on:`, `2:`
+        with pytest.raises(NVError, match=r"'live.extra_body' must be a mapping of plain JSON \(string keys"):  # a TypeError
+            load_params(write(tmp_path, {**params, "live": {**params["live"], "extra_body": body}}), ["live"])  # at a run
+    with pytest.raises(NVError, match=r"'live.columns' must be in \[1, 2\^24\]"):  # np.zeros(columns), after paying
+        load_params(write(tmp_path, {**params, "live": {**params["live"], "columns": 10**12}}), ["live"])
     params["search"].update({1: 5, "foo": 3})  # unknown keys of two types: named, not a TypeError from sorting them
     with pytest.raises(NVError, match="unknown key 'search.1'"):
         load_params(write(tmp_path, params), ["search"])

@@ -238,8 +238,10 @@ class HTTPOracle(Oracle):
         self.greedy: dict[str, tuple[int, float]] = {}  # prompt -> (column or -1, log-prob) of its T = 0 call
         self._probe_pairs: list[tuple[float, float]] = []  # (T = 0, T = 0.5) log-probs of the probe's argmax token
         key = os.environ.get(api_key_env)
-        if key and not key.isascii():  # httpx would raise UnicodeEncodeError at the first request
-            raise NVError(f"${api_key_env} holds a character an HTTP header cannot carry: check its value")
+        # httpx would raise UnicodeEncodeError at the first request, h11 an error that prints the header, the key in it
+        if key and not (key.isascii() and key.isprintable() and key == key.strip()):
+            raise NVError(f"${api_key_env} holds a character an HTTP header cannot carry (a space or line break at "
+                          "either end, a control or non-ASCII character): check its value")
         self._key_env = (api_key_env, bool(key))
         self._basic_auth = bool(basic_auth)
         self._headers = basic_auth or ({"Authorization": f"Bearer {key}"} if key else {})

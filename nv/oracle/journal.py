@@ -22,6 +22,7 @@ the file when it is asked for.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -193,14 +194,19 @@ class Journal:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists() and not self.path.is_file():  # /dev/null would drop every paid reply, a FIFO hang
+                raise NVError(f"journal {self.path} is not a regular file: give a file's path (--journal)")
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         except OSError as exc:
             raise NVError(f"journal {self.path} cannot be opened for writing: {exc.strerror}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             self.close()
-            raise NVError(f"journal {self.path} is in use by another process") from None
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise NVError(f"journal {self.path} is in use by another process") from None
+            raise NVError(f"journal {self.path} cannot be locked ({exc.strerror}; a network file system?): give a "
+                          "--journal on a local disk") from None
         self._read()
 
     def _read(self) -> None:
@@ -302,8 +308,12 @@ class Journal:
         """Write one line; its offset and length."""
         data = (canonical(entry) + "\n").encode()
         offset, length = self._end, len(data)
-        while data:
-            data = data[os.write(self._fd, data) :]
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:  # a full disk: the part written is cut off, so a later line cannot land after a torn one
+            os.ftruncate(self._fd, self._end)
+            raise
         self._end += length
         return offset, length
 

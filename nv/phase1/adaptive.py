@@ -47,11 +47,13 @@ from tqdm.auto import tqdm
 from nv.errors import NVError
 from nv.oracle.base import BudgetExhausted, Oracle
 from nv.phase1.pipeline import common_set_of, estimate_on, missing_data
-from nv.phase1.sampling import MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, place, thin, write_samples
+from nv.phase1.sampling import (MANIFEST, MANIFEST_KEYS, SampledMatrix, collect, iter_shards, meta_key, place, sample_meta,
+                                thin, write_samples)
 from nv.phase1.spectrum import SpectrumEstimate
 
 
 CHECK = math.sqrt(2)  # round r's check: its draws thinned to N_r / CHECK
+MAX_ROUNDS = 64  # each round re-estimates the spectrum: a growth that needs more to reach N_max is a slip
 
 
 def next_budget(N: int, saturated: bool, N_max: int, growth: float = 2.0) -> int:
@@ -59,6 +61,9 @@ def next_budget(N: int, saturated: bool, N_max: int, growth: float = 2.0) -> int
     whose check failed (its successor's check is then N itself), capped at N_max."""
     if not 1 <= N <= N_max or growth <= 1:
         raise NVError(f"adaptive sampling needs 1 <= N <= N_max and growth > 1, got N={N}, N_max={N_max}, growth={growth}")
+    if math.log(N_max / N) > MAX_ROUNDS * math.log(growth):
+        raise NVError(f"sampling.growth = {growth} takes more than {MAX_ROUNDS} rounds from N = {N:,} to N_max = {N_max:,} "
+                      f"(each estimates the spectrum again): use a growth of at least {(N_max / N) ** (1 / MAX_ROUNDS):.3g}")
     return min(N_max, math.ceil(N * (min(growth, CHECK) if saturated else growth)))
 
 
@@ -213,8 +218,12 @@ def sample_adaptive(
         with oracle.repeats():  # every round samples the same prompts (the simulator keeps their logits)
             for r in itertools.count():
                 delta = N - previous
-                folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}"
-                if not _finished(folder, delta, len(prompts)):
+                # the round's draws, named by what they are (target, prompts, tau, width; not their storage, chunk)
+                meta = sample_meta(prompts, delta, sampling["temperature"], round_seed(seed, r), vocab_size,
+                                   {**identity, "round": r})
+                key = meta_key({k: v for k, v in meta.items() if k != "chunk"})
+                folder = Path(checkpoint_root) / "adaptive" / f"round-{r}-{round_seed(seed, r)}-{delta}-{key}"
+                if not _finished(folder):
                     # a round the budget cannot finish is not started (its cost is known from the rounds before), and one
                     # that passes a cap all the same stops the loop with the rounds finished so far
                     try:
@@ -269,11 +278,11 @@ def _tokens(S: SampledMatrix, calls: int) -> int:
     return int((S.prompt_tokens.astype(np.int64) + 1).sum()) * calls
 
 
-def _finished(folder: Path, N: int, D: int) -> bool:
-    """A round already sampled (a rerun after a stop): its manifest has this round's N and D and every shard is intact
-    (``iter_shards``'s checks, which read no values)."""
+def _finished(folder: Path) -> bool:
+    """A round already sampled (a rerun after a stop; its folder's name holds the key of its draws, ``meta_key``) and
+    every shard intact (``iter_shards``'s checks, which read no values)."""
     try:
-        meta, _ = iter_shards(folder)
+        iter_shards(folder)
     except NVError:
         return False
-    return meta["N"] == N and meta["D"] == D
+    return True

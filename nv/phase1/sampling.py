@@ -97,7 +97,8 @@ def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.ran
             sp.csr_matrix((out["logprobs"], out["indices"], new_indptr), shape=counts.shape))
 
 
-def _key(meta: dict) -> str:
+def meta_key(meta: dict) -> str:
+    """A short hash of a sample's manifest ``meta``: names the folder of exactly those draws."""
     return hashlib.sha256(json.dumps(meta, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -161,6 +162,14 @@ def _shard_entries(path: Path, rows: int, vocab_size: int, columns: np.ndarray |
     return int(indptr[-1]) if columns is None else int(np.count_nonzero(columns[indices]))
 
 
+def sample_meta(prompts: list[str], N: int, temperature: float, seed: int, vocab_size: int, identity: dict,
+                chunk: int = 100) -> dict:
+    """The manifest ``collect`` writes for these draws: what they are (N, tau, seed, prompts, vocab_size, the
+    target's ``identity``) and how they are stored (``chunk``)."""
+    return {"N": N, "temperature": temperature, "seed": seed, "chunk": chunk, "D": len(prompts), "vocab_size": vocab_size,
+            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), **identity}
+
+
 def collect(
     oracle: Oracle,
     prompts: list[str],
@@ -184,9 +193,8 @@ def collect(
     with ``prompt_tokens``, each prompt's tokens per call, where an earlier sample measured them), and
     ``BudgetExhausted`` says so before anything is sent. ``desc``: the progress bar's label.
     """
-    meta = {"N": N, "temperature": temperature, "seed": seed, "chunk": chunk, "D": len(prompts), "vocab_size": vocab_size,
-            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), **identity}
-    work = Path(checkpoint_root) / f"sampling-{_key(meta)}"
+    meta = sample_meta(prompts, N, temperature, seed, vocab_size, identity, chunk)
+    work = Path(checkpoint_root) / f"sampling-{meta_key(meta)}"
     work.mkdir(parents=True, exist_ok=True)
     (work / MANIFEST).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     todo = [(s, path, n) for s, path, n in _layout(work, meta) if _shard_entries(path, n, vocab_size, values=True) is None]
