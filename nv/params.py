@@ -254,6 +254,8 @@ def check_section(name: str, section: object) -> dict:
     _check(name, section, SCHEMA[name])
     if name == "timing":
         _discard_fits(section, "params")
+        for platform, cfg in section["platforms"].items():
+            _trim_keeps(section["trim"], cfg["trials"], "params", f"timing.platforms.{platform}.trials")
     return section
 
 
@@ -262,6 +264,16 @@ def check_timing_protocol(values: dict, where: str) -> None:
     calibration file's) against params.yaml's rules for it; a one-line error beginning with ``where``."""
     _check("timing", values, {"r": _PLATFORM["r"], "trials": _PLATFORM["trials"], **_PROTOCOL}, where)
     _discard_fits(values, where)
+    _trim_keeps(values["trim"], values["trials"], where, "trials")
+
+
+def _trim_keeps(trim: float, trials: int, where: str, key: str) -> None:
+    """App. D's trimmed mean keeps two trials at least (else sigma_T is undefined, found only once all are timed)."""
+    from nv.phase2.fit import trim_cut
+
+    if trials - 2 * trim_cut(trim, trials) < 2:
+        raise NVError(f"{where}: 'timing.trim' = {trim} on {key} = {trials} keeps fewer than 2 trials of each length: "
+                      "raise the trials or lower the trim")
 
 
 def _discard_fits(timing: dict, where: str) -> None:

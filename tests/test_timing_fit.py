@@ -5,6 +5,7 @@ import pytest
 from scipy import optimize, stats
 
 from nv.errors import NVError
+from nv.params import check_timing_protocol
 from nv.phase2.fit import (
     Timings,
     attention_regime,
@@ -21,10 +22,12 @@ from nv.phase2.fit import (
     scaling_relation,
     sweep_lengths,
     t_statistic,
+    trim_cut,
     total_params,
     trimmed_stats,
     weighted_line,
 )
+from nv.phase2.live import timing_cost
 
 BETA, ALPHA = 2.3e-15, 0.04  # seconds per unit of L ell^2 d, seconds
 MODELS = [(16, 2048), (24, 3072), (28, 3584), (32, 4096), (40, 5120)]  # (L, d)
@@ -68,6 +71,16 @@ def test_sweep_cap_and_errors():
         sweep_lengths(4096, 1024, 14336, 4096)
     with pytest.raises(NVError, match="d, d_kv, d_ffn and r must be positive, got -1, 1024, 14336, 0.6"):
         crossover_length(-1, 1024, 14336)
+    # a context just above 0.5 ell*: [7987, 7992] rounds 24 lengths to 6, fewer than App. D's fit (12 discarded + 2);
+    # it was timed (703 paid requests at d_hat = 4096) and failed in the fit after
+    assert len(sweep_lengths(4096, 1024, 14336, 8192, fit=6)) == 6
+    with pytest.raises(NVError, match=r"p_max=8192 leaves 6 distinct sweep lengths in \[7987, 7992\] .* fewer than the fit's 14"):
+        sweep_lengths(4096, 1024, 14336, 8192, fit=14)
+    cal = {"r": 0.6, "trials": 100, "warmups": 3, "trim": 0.1, "n_lengths": 24, "discard": 12, "kv_ratio": 0.25,
+           "ffn_ratio": 3.5}
+    assert timing_cost(cal, 4000, 8192)["requests"] == 3 + 100 * 25  # 24 lengths and the ell = 1 baseline
+    with pytest.raises(NVError, match=r"phase 2 cannot sweep d_hat = 4096 under --context-length 8192 \(.*give the"):
+        timing_cost(cal, 4096, 8192)  # the plan's check (--timing-d-hat), before phase 1 is paid
 
 
 def test_trimmed_stats_and_baseline():
@@ -83,6 +96,13 @@ def test_trimmed_stats_and_baseline():
     np.testing.assert_allclose(sigma_T, sigma)
     with pytest.raises(NVError, match="trim=0.4 on 3 trials leaves fewer than 2 kept trials"):
         trimmed_stats(np.ones(3), trim=0.4)
+    # ... found by a calibration's check before phase 1 pays, not by the fit after phase 2 has
+    protocol = {"r": 0.6, "trials": 3, "warmups": 3, "trim": 0.4, "n_lengths": 24, "discard": 12, "kv_ratio": 0.25,
+                "ffn_ratio": 3.5}
+    with pytest.raises(NVError, match="cal.json: 'timing.trim' = 0.4 on trials = 3 keeps fewer than 2 trials"):
+        check_timing_protocol(protocol, "cal.json")
+    check_timing_protocol(protocol | {"trials": 4, "trim": 0.25}, "cal.json")  # cuts 1 of 4 at each end: 2 kept
+    assert trim_cut(0.35, 180) == 63 and trim_cut(0.1, 100) == 10  # 0.35 x 180 is 62.999... in binary
 
 
 def test_attention_regime_discards_shortest():

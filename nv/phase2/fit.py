@@ -30,9 +30,11 @@ def crossover_length(d: int, d_kv: float, d_ffn: float, r: float = 0.6) -> int:
     return math.floor(round((d + d_kv + 1.5 * d_ffn) * r, 9))  # round: 90 * 0.7 is 62.999... in binary
 
 
-def sweep_lengths(d: int, d_kv: float, d_ffn: float, p_max: int, r: float = 0.6, n: int = 24) -> np.ndarray:
+def sweep_lengths(d: int, d_kv: float, d_ffn: float, p_max: int, r: float = 0.6, n: int = 24,
+                  fit: int = 2) -> np.ndarray:
     """App. D sequence-length sweep: n uniform integer lengths on [0.5 ell*, min(3 ell*, ell_cap)],
-    ell_cap = min(max(2 ell*, 4 d), p_max - 200), plus ell* itself when inside; sorted, unique.
+    ell_cap = min(max(2 ell*, 4 d), p_max - 200), plus ell* itself when inside; sorted, unique; at least ``fit`` of
+    them (the fit's: App. D's discarded shortest and two more), else an error before any of them is timed.
 
     d_kv = n_kv d / n_heads, d_ffn the FFN width, p_max the positional limit, r ~ 0.6.
     """
@@ -44,15 +46,24 @@ def sweep_lengths(d: int, d_kv: float, d_ffn: float, p_max: int, r: float = 0.6,
     if hi <= lo:
         raise NVError(f"p_max={p_max} leaves no room for a sweep starting at 0.5 ell* = {lo}")
     ell = np.rint(np.linspace(lo, hi, n)).astype(np.int64)
-    return np.unique(np.append(ell, ell_star) if lo <= ell_star <= hi else ell)
+    ell = np.unique(np.append(ell, ell_star) if lo <= ell_star <= hi else ell)
+    if len(ell) < fit:  # a context just above 0.5 ell* squeezes the range: its rounded lengths coincide
+        raise NVError(f"p_max={p_max} leaves {len(ell)} distinct sweep lengths in [{lo}, {hi}] around ell* = {ell_star} "
+                      f"(d = {d}), fewer than the fit's {fit}")
+    return ell
+
+
+def trim_cut(trim: float, n: int) -> int:
+    """Trials App. D's trimmed mean cuts at each end of n: floor(trim n) (rounded first: 0.35 x 180 is 62.999...)."""
+    return math.floor(round(trim * n, 9))
 
 
 def trimmed_stats(trials: np.ndarray, trim: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """App. D timing protocol: trimmed mean over the last axis (floor(trim N) trials cut at each end) and
+    """App. D timing protocol: trimmed mean over the last axis (``trim_cut`` trials cut at each end) and
     sigma_T = std(kept, ddof=1) / sqrt(N_kept)."""
     trials = np.sort(np.asarray(trials, dtype=np.float64), axis=-1)
     n = trials.shape[-1]
-    cut = math.floor(trim * n)
+    cut = trim_cut(trim, n)
     if not 0.0 <= trim < 0.5 or n - 2 * cut < 2:
         raise NVError(f"trim={trim} on {n} trials leaves fewer than 2 kept trials")
     kept = trials[..., cut : n - cut]

@@ -30,8 +30,14 @@ from nv.phase2.protocol import collect_timings, summarize
 
 
 def _sweep(cal: dict, d_hat: int, p_max: int) -> np.ndarray:
-    """App. D's lengths around the crossover of d_hat (Eq. 11), with the calibration's ratios, r and n_lengths."""
-    return sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"])
+    """App. D's lengths around the crossover of d_hat (Eq. 11), with the calibration's ratios, r and n_lengths, and
+    enough of them for its fit (discard + 2): else a one-line error naming --context-length, before any is timed."""
+    try:
+        return sweep_lengths(d_hat, cal["kv_ratio"] * d_hat, cal["ffn_ratio"] * d_hat, p_max, cal["r"], cal["n_lengths"],
+                             cal["discard"] + 2)
+    except NVError as exc:
+        raise NVError(f"phase 2 cannot sweep d_hat = {d_hat} under --context-length {p_max} ({exc}): give the "
+                      "endpoint's own context length, if longer (default 8192)") from None
 
 
 def timing_cost(cal: dict, d_hat: int | None, p_max: int) -> dict:
