@@ -177,7 +177,7 @@ def defend(args: argparse.Namespace) -> int:
     from nv.oracle.defence_proxy import serve
 
     params = load_params(params_file(args), ["defence"])
-    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), params["seed"], args.timeout)
+    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), args.seed, args.timeout)
     return 0
 
 
@@ -257,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable")
     d.add_argument("--timeout", type=_positive, default=600.0, metavar="S",
                    help="seconds to wait for the upstream's reply before answering 504 (default 600)")
-    d.add_argument("--params", help="params file (sections defence and seed); default: the current folder's params.yaml")
+    d.add_argument("--seed", type=_count, metavar="S", help="draw the noise and delays from seed S (reproducible: for tests; "
+                   "default: the OS's entropy, which an attacker cannot replay)")
+    d.add_argument("--params", help="params file (section defence); default: the current folder's params.yaml")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
     return run_main(lambda: attack(args) if args.command == "attack" else defend(args))
 

@@ -13,7 +13,7 @@ Each knob is applied post hoc to what the undefended run observed, where that is
   inside S_q, fewer than N truncated calls would give (``short_rows`` counts the prompts with fewer than N).
 - timing knobs act on each trial of the target's App. D record (``defend_record``): delays and quantisation as
   ``DefendedOracle.time_request`` applies them; padding moves each trial along the target's own measured latency
-  curve to the padded length (interpolated, linear beyond the longest length). The counter-measure against delays
+  curve to the padded length (``_latency_curve``: interpolated, beyond the longest length a fitted quadratic's rise). The counter-measure against delays
   and padding keeps each length's fastest trials (``fastest``): a delay is never negative, so the fastest trials
   carry the least of it. Against a quantised clock it is physics: each trial's prompt is lengthened by a random
   0..u tokens, u the tokens one quantum of latency buys (``dither_tokens``), so a length's trials spread evenly over

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 
 import aiohttp
 import numpy as np
@@ -41,7 +42,7 @@ def upstream_app(seen: list) -> web.Application:
         if path.endswith("/list/completions"):
             return web.json_response([1, 2])
         if path.endswith("/busy/completions"):
-            return web.json_response({"error": "slow down"}, status=429, headers={"Retry-After": "7"})
+            return web.json_response({"error": "slow down"}, status=429, headers={"Retry-After": "7", "Server-Timing": "q;dur=3"})
         if path.endswith("/slow/completions"):
             await asyncio.sleep(2)
         if path.endswith("/models"):
@@ -60,7 +61,7 @@ def upstream_app(seen: list) -> web.Application:
 
 
 def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: str = "", credentials: str = "",
-             timeout_s: float = 30.0) -> tuple[list, list]:
+             timeout_s: float = 30.0, seed: int | None = 0) -> tuple[list, list]:
     """Start the fake upstream and the proxy in front of it, send ``requests`` (method, path, JSON body or raw
     bytes) through the proxy; returns the (status, headers, body) replies and what the upstream saw."""
     seen: list = []
@@ -69,7 +70,7 @@ def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: 
         up_port, proxy_port = free_port(), free_port()
         runners = []
         for app, port in ((upstream_app(seen), up_port),
-                          (make_app(f"http://{credentials}127.0.0.1:{up_port}{prefix}", defence, 0, timeout_s), proxy_port)):
+                          (make_app(f"http://{credentials}127.0.0.1:{up_port}{prefix}", defence, seed, timeout_s), proxy_port)):
             runner = web.AppRunner(app)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -115,6 +116,17 @@ def test_every_completion_route_is_defended_and_any_other_post_is_refused():
                                          "/v1/chat/completions", "/v1/models"]  # the refused POST never left the proxy
 
 
+def test_only_the_model_list_and_health_are_readable():
+    """GET passes to the model list and health only: a server's /metrics (vLLM's request_prefill_time_seconds, llama.cpp's
+    prompt_seconds_total) read before and after a request gives its own prefill time, around every timing knob; it
+    used to pass, as did /slots and /props."""
+    readable = ["/v1/models", "/models", "/health", "/v1/models/m"]
+    replies, seen = exchange(Defence(latency_quantum_ms=1000), [("GET", p, None) for p in readable + ["/metrics", "/slots", "/props"]])
+    assert [r[0] for r in replies] == [200] * 4 + [403] * 3
+    assert "a server's /metrics gives each request's own prefill time" in replies[4][2]["error"]["message"]
+    assert [s["path"] for s in seen] == readable
+
+
 def test_what_cannot_be_defended_is_refused_with_a_message():
     cases = [("/v1/completions", {"prompt": "x", "stream": True}, 400, "streamed replies are not defended"),
              ("/v1/completions", ["abc"], 400, "not a JSON object"),
@@ -158,6 +170,10 @@ def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncatio
     loose = defend_request({"top_k": 0, "top_p": 1.0, "min_p": 0.0}, defence)  # top_k 0: off (llama.cpp, vLLM -1)
     assert (loose["top_k"], loose["top_p"], loose["min_p"]) == (50, 0.9, 0.05)
     assert defend_request({"top_k": 100}, Defence(top_k=50))["top_k"] == 50
+    # a top_k the server reads as off is the provider's: llama.cpp truncates 0.5 to 0, and 0 switches top-k off (it
+    # was kept as the "stricter" one); a whole value is sent as an int
+    for mine, sent in ((0.5, 2), (0.99, 2), (1.5, 2), (-1, 2), (1, 1), (1.0, 1), (3.0, 2)):
+        assert defend_request({"top_k": mine}, Defence(top_k=2))["top_k"] == sent and type(sent) is int, mine
     assert defend_request({"temperature": 0.8}, Defence()) == {"temperature": 0.8}  # no knob: untouched
     with pytest.raises(NVError, match="'temperature' must be a number, got True"):
         defend_request({"temperature": True}, defence)
@@ -228,6 +244,33 @@ def test_noise_is_one_draw_per_token_and_reply():
     assert lp["token_logprobs"][0] == lp["top_logprobs"][0]["a"] != RAW
 
 
+def test_noise_is_drawn_per_token_id_and_from_the_os_unless_seeded():
+    """Two tokens of one text (byte-fallback tokens render alike) get their own draws, keyed by id (they shared one,
+    so their difference came back exact); a served proxy's draws come from the OS's entropy (from params.yaml's seed
+    0 an attacker replayed them), a seeded one's are the same every run."""
+    same_text = {"choices": [{"logprobs": {"content": [{"token": "", "id": 10, "logprob": -1.0, "top_logprobs": [
+        {"token": "", "id": 10, "logprob": -1.0}, {"token": "", "id": 11, "logprob": -1.0}]}]}}]}
+    entry = defend_reply(same_text, Defence(noise_sigma=1.0), np.random.default_rng(0))["choices"][0]["logprobs"]["content"][0]
+    tops = [t["logprob"] for t in entry["top_logprobs"]]
+    assert entry["logprob"] == tops[0] != tops[1]
+    first = [exchange(Defence(noise_sigma=0.5), [("POST", "/v1/completions", {"prompt": "x"})], seed=seed)[0][0][2]
+             for seed in (None, None, 3, 3)]
+    values = [r["choices"][0]["logprobs"]["token_logprobs"][0] for r in first]
+    assert values[0] != values[1] and values[2] == values[3]
+
+
+def test_every_top_list_is_defended_whatever_sits_beside_it():
+    """A completions top list beside a null token_logprobs, or one under a chat reply's logprobs, passed raw; a top
+    entry of another shape is dropped, not passed."""
+    null = {"choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": None, "top_logprobs": [{"a": -0.123456, "zz": -9.87654}]}}]}
+    lp = defend_reply(null, Defence(round_decimals=1, top_k=1), np.random.default_rng(0))["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] is None and lp["top_logprobs"] == [{"a": -0.1}]
+    chat = json.loads(json.dumps(CHAT))
+    chat["choices"][0]["logprobs"]["top_logprobs"] = [{"a": -0.123456}, ["odd"]]
+    lp = defend_reply(chat, Defence(round_decimals=1), np.random.default_rng(0))["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"a": -0.1}, None] and lp["content"][0]["logprob"] == -1.5
+
+
 def test_credentials_prefix_timeout_and_headers():
     """Credentials in --upstream reach the upstream as a Basic header and no reply; a path prefix is kept; a hang
     ends in a 504 after the timeout; a 429's Retry-After reaches the client."""
@@ -239,8 +282,12 @@ def test_credentials_prefix_timeout_and_headers():
     assert seen[0]["path"] == "/openai/v1/completions" and seen[0]["headers"]["Authorization"] == f"Basic {token}"
     assert replies[0][0] == 200
     assert replies[1][0] == 429 and replies[1][1]["Retry-After"] == "7"
+    assert "Server-Timing" not in replies[1][1]  # an error's headers are a defended reply's too, and its time
     assert replies[2][0] == 504 and "did not answer within 0.5 s" in replies[2][2]["error"]["message"]
     assert all("s3cret" not in json.dumps(r[2]) for r in replies)
+    start = time.monotonic()
+    busy, _ = exchange(Defence(latency_quantum_ms=600), [("POST", "/v1/busy/completions", {"prompt": "x"})])
+    assert busy[0][0] == 429 and time.monotonic() - start >= 0.6  # it came back at once, before the quantum
     assert check_upstream("http://u:pw@127.0.0.1:9/openai/") == ("http://127.0.0.1:9/openai", {"Authorization": "Basic dTpwdw=="})
     with pytest.raises(NVError, match="without /v1.*give http://127.0.0.1:9$"):
         check_upstream("http://127.0.0.1:9/v1")

@@ -23,7 +23,10 @@ route (403: it might return log-probs in a shape the proxy does not know), an up
 not a JSON object (502). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
 the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
 provider's ``openai-processing-ms`` likewise). ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
-does not have: refused, as for the HTTP oracle. GET requests (``/v1/models``, ``/health``) pass through unchanged.
+does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
+waits the same delays. GET requests to ``READABLE`` (the model list, health) pass through unchanged; other routes are
+refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
+come from the OS's entropy (``nv defend --seed`` for a reproducible run).
 Credentials in ``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into
 output.
 """
@@ -68,8 +71,13 @@ REPLY_FIELDS = {
 REPLY_HEADERS = {"content-type", "date", "server", "x-request-id", "retry-after"}
 PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor
-STRICTER = {"top_k": lambda mine, theirs: min(mine, theirs) if mine > 0 else theirs, "top_p": min, "min_p": max}
+# the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor (a top_k the
+# server reads as off, 0 or -1, or not whole: llama.cpp truncates 0.5 to 0, which switches top-k off, is the provider's)
+STRICTER = {"top_k": lambda mine, theirs: int(min(mine, theirs)) if mine >= 1 and mine == int(mine) else theirs,
+            "top_p": min, "min_p": max}
+# the GET routes forwarded: the model list and health; not /metrics (vLLM's and llama.cpp's prefill-time counters
+# give each request's own prefill time, around every timing knob), /slots or /props
+READABLE = ("/models", "/v1/models", "/health", "/v1/health")
 
 
 def check_upstream(url: str) -> tuple[str, dict]:
@@ -156,21 +164,26 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
             if isinstance(lp.get(part), list):
                 lp[part] = [_known(entry, "entry") for entry in lp[part]]
             for i, entry in enumerate(lp.get(part) or []):
-                entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("token")))
+                entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("id", entry.get("token"))))
                 if isinstance(entry.get("top_logprobs"), list):
                     tops = [_known(top, "entry") for top in entry["top_logprobs"] if isinstance(top, dict)]
                     same = "id" if "id" in entry else "token"  # a token's text may be shared; its id is not
                     own = next((j for j, top in enumerate(tops) if top.get(same) == entry.get(same)), None)
                     entry["top_logprobs"] = [tops[j] for j, _ in _drawable([(j, top.get("logprob")) for j, top in enumerate(tops)],
                                                                            own, defence)]
-                for top in entry.get("top_logprobs") or []:
-                    top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("token")))
-        if lp.get("token_logprobs") is not None:  # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]
-            tokens = lp.get("tokens") or [None] * len(lp["token_logprobs"])
-            lp["token_logprobs"] = [value(y, (c, "text", i, t)) for i, (t, y) in enumerate(zip(tokens, lp["token_logprobs"]))]
-            sampled = list(tokens) + [None] * len(lp.get("top_logprobs") or [])
-            lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in _drawable(list((top or {}).items()), sampled[i], defence)}
-                                  for i, top in enumerate(lp.get("top_logprobs") or [])]
+                for top in entry.get("top_logprobs") or []:  # a token's text may be shared (byte tokens); its id is not
+                    top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("id", top.get("token"))))
+        # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]; a top list is defended whatever sits
+        # beside it (with token_logprobs null, or under a chat reply), and one of another shape is dropped
+        if "token_logprobs" in lp:
+            ys = lp["token_logprobs"] if isinstance(lp["token_logprobs"], list) else None
+            tokens = lp.get("tokens") or [None] * len(ys or [])
+            lp["token_logprobs"] = None if ys is None else [value(y, (c, "text", i, t)) for i, (t, y) in enumerate(zip(tokens, ys))]
+        if "top_logprobs" in lp:
+            tops = lp["top_logprobs"] if isinstance(lp["top_logprobs"], list) else []
+            sampled = list(lp.get("tokens") or []) + [None] * len(tops)
+            lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in _drawable(list(top.items()), sampled[i], defence)}
+                                  if isinstance(top, dict) else None for i, top in enumerate(tops)] or None
     return reply
 
 
@@ -188,8 +201,10 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": f"nv defend: {message}"}}, status=status)
 
 
-def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.0) -> web.Application:
-    """The aiohttp application of the proxy (``serve`` runs it; the tests run it beside a fake upstream)."""
+def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float = 600.0) -> web.Application:
+    """The aiohttp application of the proxy (``serve`` runs it; the tests run it beside a fake upstream). Its noise and
+    delays are drawn from ``seed``, or from the OS's entropy with None (a served defence: an attacker who knows the
+    seed, params.yaml's 0, replays the draws and subtracts them)."""
     if defence.pad_to_tokens is not None:
         raise NVError("pad_to_tokens needs the served model's tokenizer: the proxy cannot honour it")
     base, auth = check_upstream(upstream)
@@ -204,6 +219,9 @@ def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.
         start = time.monotonic()
         data = await request.read()
         defended = request.method not in PASSED
+        if not defended and request.path.rstrip("/") not in READABLE and not request.path.startswith(("/v1/models/", "/models/")):
+            return _error(403, f"only {', '.join(READABLE)} are readable through the proxy, not {request.method} "
+                               f"{request.path}: a server's /metrics gives each request's own prefill time")
         if defended:
             if not request.path.rstrip("/").endswith("/completions"):
                 return _error(403, f"only completion routes (POST .../completions) are forwarded, not {request.method} "
@@ -232,18 +250,20 @@ def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.
             return _error(504, f"upstream {base} did not answer within {timeout_s:g} s")
         except aiohttp.ClientError as exc:
             return _error(502, f"upstream {base} unreachable: {exc or type(exc).__name__}")
-        if defended and status == 200:
-            try:
-                reply = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                reply = None
-            if not isinstance(reply, dict):
-                return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
-                                   "not passed on undefended")
-            body = json.dumps(defend_reply(reply, defence, rng)).encode()
+        if defended:  # an error's reply too: its headers and its time may carry the upstream's (Server-Timing)
+            if status == 200:
+                try:
+                    reply = json.loads(body)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    reply = None
+                if not isinstance(reply, dict):
+                    return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
+                                       "not passed on undefended")
+                body = json.dumps(defend_reply(reply, defence, rng)).encode()
+            kind = passed.get("Content-Type", "application/json") if status != 200 else "application/json"
             passed = CIMultiDict((k, v) for k, v in passed.items()
                                  if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
-            passed["Content-Type"] = "application/json"
+            passed["Content-Type"] = kind
             wait = added_delay_s(defence, rng)
             if defence.latency_quantum_ms is not None:
                 q = defence.latency_quantum_ms / 1000.0
@@ -258,7 +278,7 @@ def make_app(upstream: str, defence: Defence, seed: int, timeout_s: float = 600.
     return app
 
 
-def serve(upstream: str, port: int, defence: Defence, seed: int, timeout_s: float = 600.0) -> None:
+def serve(upstream: str, port: int, defence: Defence, seed: int | None, timeout_s: float = 600.0) -> None:
     """Run the proxy on 127.0.0.1:``port`` until interrupted."""
     if not 1 <= port <= 65535:
         raise NVError(f"--port must be in 1..65535, got {port}")
