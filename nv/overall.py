@@ -25,6 +25,12 @@ def with_trials(record: dict, trials: int, trim: float) -> dict:
                      "sigma": stats["sigma"].tolist(), "trials": trials, "tokens": int(stats["tokens"])}
 
 
+def timed_tokens(record: dict) -> int:
+    """§5's tokens of a timing record's timed calls: prompt + 1 each (the record's ``tokens`` count the prompts alone;
+    the warm-ups' prompts are not recorded: left out, ~1 % of a sweep's)."""
+    return record["tokens"] + sum(len(r["seconds"]) for r in record["rows"])
+
+
 def timing_budgets(records: dict[str, list[dict]], timing: dict, trial_counts: list[int]) -> pd.DataFrame:
     """The target's L_hat (with d_used) on each platform when only K' trials per length are spent."""
     reference = next(iter(records))
@@ -36,7 +42,7 @@ def timing_budgets(records: dict[str, list[dict]], timing: dict, trial_counts: l
                 continue
             g = with_trials(target, K, timing["trim"])
             row = held_out(records[reference], recs, g, timing, "d_used")
-            out.append({"platform": platform, "trials": K, "timing_tokens": g["tokens"], "L_hat_at_d_used": row.get("L_hat", np.nan),
+            out.append({"platform": platform, "trials": K, "timing_tokens": timed_tokens(g), "L_hat_at_d_used": row.get("L_hat", np.nan),
                         "d_used": g["d_used"], "L_true": g["L"], "P_true": g["P"], "note": row["note"]})
     return pd.DataFrame(out)
 

@@ -21,7 +21,7 @@ import pandas as pd
 
 from nv.errors import NVError
 from nv.outputs import json_value, read_json
-from nv.overall import with_trials
+from nv.overall import timed_tokens, with_trials
 from nv.phase2.fit import total_params
 from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_scores
 
@@ -116,7 +116,7 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
                                                                  "note", "note_eq10", "note_t_basic", "note_t_eq10", "note_prefill")},
-                             "setup": setup, "trials": K, "timing_tokens": gk["tokens"], "timing_calls": _calls(gk, timing["warmups"]),
+                             "setup": setup, "trials": K, "timing_tokens": timed_tokens(gk), "timing_calls": _calls(gk, timing["warmups"]),
                              "timing_wall_s": float(sum(sum(r["seconds"]) for r in gk["rows"])), "vocab_size": g["vocab_size"],
                              "kv_true": g["n_kv_heads"] / g["n_heads"], "ffn_true": g["d_ffn"] / g["d"], "tied_true": g["tied"],
                              "rule": rule, "median_ref_err_basic": scores["basic"], "median_ref_err_eq10": scores["eq10"], **q})
@@ -168,13 +168,16 @@ def combine(phase1: pd.DataFrame, timing: pd.DataFrame, estimator: str, price: f
 
 
 def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
-    """Empirical coverage of the 90 % intervals: d over every (model, phase-1 budget); L and P over every
-    (model, phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where fewer
-    than two calibration models gave a fit, covers trivially, and a case with none, where no P_ne_hat came out: both
-    counted apart as uninformative); pooled over all three. The
-    headline intervals (the hull of both depth estimators') first, then the rule's estimator's alone (``rule``)."""
-    d = phase1[phase1.method == estimator].covered.astype(bool)
-    with_d = cases[cases.saturated & cases.L_hat.notna()]
+    """Empirical coverage of the 90 % intervals: d over every (model, phase-1 budget) with a finite interval (a d_hat;
+    a budget not saturated gives a lower bound, [bound, inf), which covers trivially); L and P over every (model,
+    phase-1 budget, setup, platform, K') case with a d_hat and a finite interval (an infinite one, where fewer than two
+    calibration models gave a fit, likewise, and a case with none, where no depth or P_ne_hat came out). Each of those
+    is counted apart as uninformative (``d_bounds``: the lower bounds among them); pooled over all three. The headline
+    intervals (the hull of both depth estimators') first, then the rule's estimator's alone (``rule``)."""
+    rows = phase1[phase1.method == estimator]
+    d = rows[np.isfinite(rows.d_hi.astype(float))].covered.astype(bool)
+    bounds = len(rows) - len(d)
+    with_d = cases[cases.saturated]
 
     def count(suffix: str) -> dict:
         finite = {w: with_d[np.isfinite(with_d[f"{w}_hi{suffix}"])] for w in ("L", "P")}
@@ -182,9 +185,9 @@ def coverage(cases: pd.DataFrame, phase1: pd.DataFrame, estimator: str) -> dict:
         width = {f"{w}_width": float(np.median(f[f"{w}_hi{suffix}"] / f[f"{w}_lo{suffix}"])) if len(f) else None
                  for w, f in finite.items()}  # the median hi / lo of the finite intervals: how informative they are
         pooled = pd.concat([d, L, P])
-        return width | {"d": float(d.mean()), "d_cases": int(len(d)), "L": float(L.mean()) if len(L) else None, "L_cases": int(len(L)),
+        return width | {"d": float(d.mean()) if len(d) else None, "d_cases": int(len(d)), "L": float(L.mean()) if len(L) else None, "L_cases": int(len(L)),
                 "P": float(P.mean()) if len(P) else None, "P_cases": int(len(P)),
-                "uninformative": 2 * len(with_d) - len(L) - len(P),
+                "uninformative": bounds + 2 * len(with_d) - len(L) - len(P), "d_bounds": bounds,
                 "all": float(pooled.mean()), "cases": int(len(pooled))}
     return count("") | {"rule": count("_rule")}
 

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from nv.errors import NVError
-from nv.overall import combine, results_table, timing_budgets, to_markdown, with_trials
+from nv.overall import combine, results_table, timed_tokens, timing_budgets, to_markdown, with_trials
 from nv.phase2 import live, prefill
 from nv.phase2.calibration import calibration, load_calibration
 from nv.phase2.evaluation import evaluate, held_out, param_estimates
@@ -288,7 +288,8 @@ def test_with_trials_keeps_the_first_K_trials_and_resummarizes():
     base = np.mean(rec["rows"][0]["seconds"][:4])
     expected = [np.mean(r["seconds"][:4]) - base for r in rec["rows"][1:]]
     np.testing.assert_allclose(cut["T"], expected, rtol=1e-12)
-    assert cut["tokens"] == sum(sum(r["ell"][:4]) for r in rec["rows"])
+    assert cut["tokens"] == sum(sum(r["ell"][:4]) for r in rec["rows"])  # the prompts'; §5's adds 1 a call:
+    assert timed_tokens(cut) == cut["tokens"] + 4 * len(rec["rows"])
     assert with_trials(rec, 6, trim=0.0)["T"][2] > 99 / 6  # the outlier is in the full record
     assert (cut["model"], cut["L"], cut["d_used"]) == ("smollm2", 30, 576)
 
@@ -299,7 +300,9 @@ def test_timing_budgets_refit_the_target_at_each_trial_count():
     assert list(zip(table.platform, table.trials)) == [("inprocess", 2), ("inprocess", 4), ("llamacpp", 2), ("llamacpp", 4)]
     np.testing.assert_allclose(table.L_hat_at_d_used, 30, rtol=1e-3)
     assert (table.note == "").all() and (table.L_true == 30).all() and (table.d_used == 576).all()
-    per_trial = sum(np.round(np.linspace(0.5, 1.5, 10) * 5 * 576).astype(int)) + 1  # tokens of one trial per length
+    # §5's tokens of one trial per length, prompt + 1 each: 10 lengths and the ell = 1 baseline (the prompts alone before
+    # 2026-12-06 evening)
+    per_trial = sum(np.round(np.linspace(0.5, 1.5, 10) * 5 * 576).astype(int) + 1) + 2
     assert table.timing_tokens.tolist() == [2 * per_trial, 4 * per_trial] * 2
 
 

@@ -184,7 +184,8 @@ def check_validation(project: Path) -> None:
     assert ((rule_L > 0) | (reason != "")).all() and (rule_L > 0).mean() >= 0.5, same
     assert (pd.notna(rule_P_ne) | explained | ~(rule_L > 0)).all(), same
     for cover in (summary["coverage"], summary["coverage"]["rule"]):  # the hull of both estimators', the rule's alone
-        assert cover["d_cases"] == 3 and cover["d"] == 1.0  # lower bounds below the truth
+        # lower bounds (below the truth): uninformative, not 3 of 3 covered (2026-12-06 evening)
+        assert cover["d_cases"] == 0 and cover["d"] is None and cover["d_bounds"] == 3 <= cover["uninformative"]
     # where the time went: one line per executed stage (per item), from papermill's record, and the total
     times = subprocess.run([str(BIN / "python"), "-m", "nv.stage", "times"], cwd=project, capture_output=True, text=True, check=True)
     lines = times.stdout.splitlines()

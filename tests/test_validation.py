@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 
 from nv.phase2.intervals import conformal, hull
+from nv.validation import coverage
 
 
 def test_conformal_half_width_is_the_largest_log_residual_over_the_references_with_a_fit():
@@ -64,6 +65,25 @@ def _legible(fig) -> None:
                      if t.label1.get_visible() and t.label1.get_text() and lo <= t.get_loc() <= hi]
             assert len(boxes) >= 2 or axis is ax.yaxis, ax.get_title()  # a shared y axis shows its labels once
             assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), (ax.get_title(), axis)
+
+
+def test_coverage_counts_only_informative_intervals():
+    """A lower bound (a budget not saturated: [bound, inf)) and a case without a depth cover nothing: both are counted
+    apart as uninformative, not as covered (the lower bounds were 5 of the committed run's "d 7/7"), nor dropped (a
+    run whose phase 2 failed kept its coverage)."""
+    phase1 = pd.DataFrame({"method": "robust", "d_hi": [np.inf, 580.0, 590.0, np.inf],
+                           "covered": [True, True, False, True]})
+    cases = pd.DataFrame({"saturated": [True, True, True, False], "L_hat": [30.0, 24.0, np.nan, np.nan],
+                          "L_hi": [33.0, 20.0, np.nan, np.nan], "L_covered": [True, False, False, False],
+                          "P_hi": [2e8, 6e8, np.nan, np.nan], "P_covered": [True, True, False, False]})
+    for suffix in ("", "_rule"):
+        cases[f"L_hi{suffix}"], cases[f"P_hi{suffix}"] = cases.L_hi, cases.P_hi
+        cases[f"L_lo{suffix}"], cases[f"P_lo{suffix}"] = cases.L_hi / 2, cases.P_hi / 2
+        cases[f"L_covered{suffix}"], cases[f"P_covered{suffix}"] = cases.L_covered, cases.P_covered
+    cover = coverage(cases, phase1, "robust")
+    assert (cover["d"], cover["d_cases"], cover["d_bounds"]) == (0.5, 2, 2)
+    assert (cover["L"], cover["L_cases"], cover["P"], cover["P_cases"]) == (0.5, 2, 1.0, 2)
+    assert cover["uninformative"] == 2 + 2 and cover["cases"] == 6 and cover["all"] == 4 / 6  # the no-depth case's L, P
 
 
 def test_d_vs_budget_draws_a_failure_as_a_failure():

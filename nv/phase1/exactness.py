@@ -1,12 +1,12 @@
 """Where phase 1 becomes exact (issue 14): each estimator's outcome over a grid of prompts D, samples per prompt N
 and sampling temperature tau, and the cheapest exact cell, in §5's token cost.
 
-Every cell of one (model, tau) sample is nested in both D and N: the first D prompts and, of each, the first N of
-its stored calls (hypergeometric thinning of the shards on disk, ``thinned_folder``), as the budget sweep (§5.1) is
-nested in N.
+Every cell of one (model, tau) sample takes the first D prompts (nested in D) and, of each, N of its stored calls
+(hypergeometric thinning of the shards on disk, ``thinned_folder``: distributed as the first N calls, each N thinned
+independently, so nested in distribution, not draw by draw), as the budget sweep (§5.1) does.
 The true d (white-box) only labels the outcome; the estimators never see it. ``adaptive_stop``: where the adaptive loop
 (``nv.phase1.adaptive``) stops on a model's draws, from the loop's own record when they were sampled adaptively, else
-replayed on the nested draws (``adaptive_replay``): its stopping point without new calls.
+replayed on the stored draws (``adaptive_replay``): its stopping point without new calls.
 """
 
 from __future__ import annotations
@@ -174,15 +174,17 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     (draws -> the matrix Y the estimator sees; None: the common set itself; e.g. through a defence: ``nv.defences``).
     The loop replayed is the robust estimator's (``sampling.estimator: robust``; draws the loop itself sampled carry
     its own record, ``adaptive_stop``).
-    Round r assesses the view of the first N_r calls of each prompt as the live loop does (``assess``; thinning is
-    exact in distribution: the rounds are nested), its check the view of those calls thinned to N_r / sqrt(2); both
+    Round r assesses the view of N_r calls of each prompt as the live loop does (``assess``; each round's thinning is
+    an exact N_r-call sample, but drawn independently of the other rounds', where the live loop's rounds are nested:
+    each round's outcome is distributed as the loop's, their joint law is not), its check the view of those calls
+    thinned to N_r / sqrt(2); both
     are thinned from disk (``_assess_at``), and views at the same N share the thinning. The rounds are the loop's:
     growth x up to the first saturated one (``schedule``, capped at the stored N), then as the loop picks them
     (``after``).
 
     Searched down from the stored N for the first saturated round: the growth rounds are assessed from the top while
     saturated; taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the
-    common set), the lowest of that saturated run is where the loop first saturates, found without thinning the rounds
+    common set: in expectation, not draw by draw between independent thinnings), the lowest of that saturated run is where the loop first saturates, found without thinning the rounds
     below it. From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on
     the loop's path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws"
     when its next round is beyond the stored N (the live loop would go on; no round at all when that N < N_0)."""

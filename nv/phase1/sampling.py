@@ -62,7 +62,8 @@ class SampledMatrix:
         return SampledMatrix(empty, empty, self.prompt_tokens, self.N, self.temperature)
 
     def subsample(self, N: int, seed: int) -> SampledMatrix:
-        """The first N of the N_max calls of every prompt (multivariate hypergeometric thinning)."""
+        """N of the N_max calls of every prompt, drawn without replacement (multivariate hypergeometric): distributed
+        as its first N calls. Each call draws anew, so two budgets' thinnings are not nested draw by draw."""
         if not 1 <= N <= self.N:
             raise NVError(f"sub-budget N must be in [1, {self.N}], got {N}")
         if N == self.N:

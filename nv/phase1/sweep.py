@@ -1,4 +1,5 @@
-"""Budget sweep (§5.2, Fig. val_plot): d_hat at nested budgets of the same prompts.
+"""Budget sweep (§5.2, Fig. val_plot): d_hat at growing budgets of the same prompts (each an exact N-call sample
+thinned from the stored draws, independently of the others: nested in distribution, not draw by draw).
 
 The first N of the N_max calls of every prompt (hypergeometric thinning of the shards on disk, ``thinned_folder``),
 pruned to the common set and given to every estimator (``estimate_all``: robust and paper on the common set, the
