@@ -104,17 +104,35 @@ def run_stage(
 
 
 def stage_times(root: str | Path | None = None) -> list[tuple[str, float]]:
-    """(stage or stage@item, wall seconds) of every executed stage notebook under outputs/, from papermill's record."""
+    """(stage or stage@item, wall seconds) of every executed stage notebook under outputs/, from papermill's record:
+    of the items params.yaml names now (another profile's folders are left over, not this run's); a run that failed
+    labelled so; a notebook cut short (papermill rewrites it after every cell) left out with a line on stderr."""
     import json
 
-    out = Path(root or os.getcwd()).resolve() / "outputs"
+    import yaml
+
+    base = Path(root or os.getcwd()).resolve()
+    try:
+        params = yaml.safe_load((base / "params.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        params = None
     times = []
-    for name in STAGES:
-        for executed in sorted(out.glob(f"{name}/{name}.ipynb")) + sorted(out.glob(f"{name}/*/{name}.ipynb")):
-            label = name if executed.parent.name == name else f"{name}@{executed.parent.name}"
-            duration = json.loads(executed.read_text())["metadata"].get("papermill", {}).get("duration")
-            if duration is not None:
-                times.append((label, float(duration)))
+    for name, stage in STAGES.items():
+        items = params
+        for key in (stage.each or "").split(".") if stage.each else ():
+            items = items.get(key) if isinstance(items, dict) else None
+        for executed in sorted(base.glob(f"outputs/{name}/{name}.ipynb")) + sorted(base.glob(f"outputs/{name}/*/{name}.ipynb")):
+            item = None if executed.parent.name == name else executed.parent.name
+            if item is not None and isinstance(items, dict) and item not in items:
+                continue
+            try:
+                record = json.loads(executed.read_text())["metadata"].get("papermill", {})
+            except (OSError, ValueError, KeyError, AttributeError):
+                print(f"nv.stage times: {executed} is unreadable (a run cut short?): left out", file=sys.stderr)
+                continue
+            if record.get("duration") is not None:
+                label = name if item is None else f"{name}@{item}"
+                times.append((label + (" (failed)" if record.get("exception") else ""), float(record["duration"])))
     return times
 
 

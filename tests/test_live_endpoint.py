@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -589,6 +590,35 @@ def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
     with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp: Failed to load model from file: .*cut.gguf \(a file cut short") as err:
         LlamaServer(cut, n_ctx=256).start()
     assert "\n" not in str(err.value)
+
+
+def test_the_server_holds_its_port_from_the_start_and_never_outlives_a_failed_start():
+    """LlamaServer binds the port before the model loads (the child serves the inherited socket): a port that
+    something already listens on is an error at once, where the server used to take any answer on it for its own
+    (another process's model, timed as ours); a start interrupted (Ctrl-C or SIGTERM, run_main's KeyboardInterrupt;
+    here an alarm 0.1 s in, while the child imports) stops the child, which used to load on and serve for good."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(NVError, match=f"cannot serve on 127.0.0.1:{port}: Address already in use"):
+            LlamaServer("embedded", n_ctx=256, port=port).start()
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    interrupted = LlamaServer("embedded", n_ctx=256)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.start()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted.process.poll() is not None and not interrupted.log_path.exists()
+    with LlamaServer("embedded", n_ctx=256) as server:  # and one that starts serves its model on the port it bound
+        models = httpx.get(server.base_url + "/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == [server.model_name] and server.process.poll() is None
 
 
 def test_malformed_log_probabilities_are_one_line_errors():

@@ -214,3 +214,40 @@ def test_models_take_float32_gemms_only_where_torch_has_no_bf16_gemm(lm32, monke
         z_native = lm.model(ids).logits
     assert z.dtype == torch.bfloat16
     assert torch.allclose(z.float(), z_native.float(), atol=0.05) and (native == torch.equal(z, z_native))
+
+
+def test_a_cache_write_stopped_midway_leaves_no_folder_and_a_sound_entry_survives_a_memory_error(tmp_path, monkeypatch):
+    """The float32 cache's writer removes its temporary folder whatever stops it (it was removed on an OSError alone:
+    Ctrl-C, SIGTERM or a MemoryError during a minutes-long save left up to 6.7 GB of .tmp-* in the cache); and an
+    entry whose stamp holds is kept when reading it runs out of memory (it was deleted and rebuilt, which needs more).
+    The save's failures and the MemoryError are raised by stand-ins: a test cannot run out of memory here on cue."""
+    from nv.models import loading
+
+    class Model:
+        class config:
+            quantization_config = "q"
+
+        def __init__(self, error):
+            self.error = error
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)
+            raise self.error
+
+    for error in (RuntimeError("safetensors"), MemoryError(), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            loading._write_cache(Model(error), None, tmp_path / "cache" / "m-0123")
+        assert list((tmp_path / "cache").iterdir()) == [], error
+    entry = tmp_path / "cache" / "m-4567"
+    entry.mkdir()
+    (entry / "model.safetensors").write_bytes(b"\0" * 1000)
+    (entry / loading.STAMP).write_text(loading.json.dumps(loading._stamp(entry)))
+    monkeypatch.setattr(loading, "_gguf_cache_folder", lambda spec, path, cache_dir: entry)
+
+    def out_of_memory(source, gguf, dtype):
+        raise MemoryError
+
+    monkeypatch.setattr(loading, "_from_pretrained", out_of_memory)
+    with pytest.raises(MemoryError):
+        loading._load_gguf("m", str(tmp_path), "m.gguf", "bfloat16", tmp_path / "cache")
+    assert (entry / "model.safetensors").is_file()

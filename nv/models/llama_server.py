@@ -8,8 +8,9 @@ prefill ~3x slower here; ``--no-logprobs`` serves without it (timing runs need n
 Before the model is built, ``use_extra_bufts`` is switched off: on CPUs with AMX, ggml's
 AMX/repack buffers segfault on the first decode (measured on this machine).
 
-``LlamaServer`` starts that entry as a child process on a free port, waits until ``/v1/models``
-answers and stops it by its PID.
+``LlamaServer`` binds the port itself and hands the listening socket to that entry as a child process (``--fd``:
+nothing else can take the port while the model loads, and a port already in use is an error before the load),
+waits until ``/v1/models`` answers and stops it by its PID, also when the wait is interrupted.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class LlamaServer:
                  n_threads: int | None = None, logprobs: bool = True, startup_timeout: float = 120.0) -> None:
         self.gguf = _gguf(str(gguf_path))
         self.n_ctx = n_ctx
-        self.port = port or free_port()
+        self.port, self._any_port = port or free_port(), port is None
         self.n_threads = n_threads
         self.logprobs = logprobs
         self.startup_timeout = startup_timeout
@@ -69,8 +70,29 @@ class LlamaServer:
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
+    def _listen(self) -> socket.socket:
+        """The server's listening socket on 127.0.0.1, bound here (a port chosen by ``free_port`` and taken since: any
+        free one)."""
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            try:
+                listener.bind((HOST, self.port))
+            except OSError:
+                if not self._any_port:
+                    raise
+                listener.bind((HOST, 0))
+        except OSError as exc:
+            listener.close()
+            raise NVError(f"cannot serve on {HOST}:{self.port}: {exc.strerror}") from None
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
+        self.base_url = f"http://{HOST}:{self.port}/v1"
+        return listener
+
     def start(self) -> LlamaServer:
-        cmd = [sys.executable, "-m", "nv.models.llama_server", "--model", str(self.gguf), "--port", str(self.port),
+        listener = self._listen()
+        cmd = [sys.executable, "-m", "nv.models.llama_server", "--model", str(self.gguf), "--fd", str(listener.fileno()),
                "--n-ctx", str(self.n_ctx), "--alias", self.model_name]
         if self.n_threads:
             cmd += ["--n-threads", str(self.n_threads)]
@@ -78,21 +100,31 @@ class LlamaServer:
             cmd += ["--no-logprobs"]
         fd, log_path = tempfile.mkstemp(prefix="nv-llama-server-", suffix=".log")
         self.log_path = Path(log_path)
-        self.process = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        os.close(fd)
+        try:
+            self.process = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            pass_fds=(listener.fileno(),))
+        finally:
+            os.close(fd)
+            listener.close()  # the child holds its own copy
+        try:
+            self._wait()
+        except BaseException:  # an error, Ctrl-C or SIGTERM while it loads: no server left behind
+            self.stop()
+            raise
+        return self
+
+    def _wait(self) -> None:
+        """Until ``/v1/models`` answers (connections queue on the socket while the model loads)."""
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                last = self._last_log_line()
-                self.stop()
-                raise NVError(f"llama.cpp server exited with status {self.process.returncode}: {last}")
+                raise NVError(f"llama.cpp server exited with status {self.process.returncode}: {self._last_log_line()}")
             try:
                 if httpx.get(f"{self.base_url}/models", timeout=2).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self.stop()
         raise NVError(f"llama.cpp server did not answer on {self.base_url} within {self.startup_timeout:.0f} s")
 
     def _last_log_line(self) -> str:
@@ -132,8 +164,10 @@ def _without_extra_buffers() -> None:
     lib.llama_model_default_params = patched
 
 
-def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int | None, logprobs: bool = True) -> None:
-    """Run the server in this process until it is stopped (127.0.0.1 only)."""
+def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int | None, logprobs: bool = True,
+          fd: int | None = None) -> None:
+    """Run the server in this process until it is stopped (127.0.0.1 only): on ``port``, or on the listening socket
+    ``fd`` a parent bound (``LlamaServer``)."""
     try:
         import uvicorn
         from llama_cpp.server.app import create_app
@@ -152,7 +186,10 @@ def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int |
     except ValueError as exc:  # llama.cpp's "Failed to load model from file ..." / "Failed to create llama_context"
         raise NVError(f"llama.cpp: {exc} (a file cut short or not a GGUF, an architecture it does not support, "
                       f"or too little memory for n_ctx = {n_ctx})") from None
-    uvicorn.run(app, host=HOST, port=port, log_level="warning")
+    if fd is None:
+        uvicorn.run(app, host=HOST, port=port, log_level="warning")
+    else:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[socket.socket(fileno=fd)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,12 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Serve a GGUF with llama.cpp on 127.0.0.1 (OpenAI-compatible, log-probs on).")
     parser.add_argument("--model", default="embedded", help="a .gguf file, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--fd", type=int, default=None, help="serve on this inherited listening socket instead of --port "
+                        "(LlamaServer binds the port before the model loads)")
     parser.add_argument("--n-ctx", type=int, default=8192, help="context size in tokens")
     parser.add_argument("--n-threads", type=int, default=None, help="CPU threads (llama.cpp default when omitted)")
     parser.add_argument("--alias", default=None, help="model name the server answers to (default: the file name)")
     parser.add_argument("--no-logprobs", action="store_true", help="logits_all off: faster prefill, no log-probs")
     args = parser.parse_args(argv)
-    return run_main(lambda: serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs))
+    return run_main(lambda: serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs,
+                                  args.fd))
 
 
 if __name__ == "__main__":

@@ -183,9 +183,10 @@ def _write_cache(model, tokenizer, folder: Path) -> bool:
         tmp.rename(folder)
         return True
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         log.warning("could not cache the dequantised model in %s: %s", folder, exc)
         return False
+    finally:  # also on Ctrl-C, SIGTERM or a MemoryError mid-save: no GB-sized .tmp-* folder left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
@@ -198,6 +199,8 @@ def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
             if json.loads((folder / STAMP).read_text()) != _stamp(folder):
                 raise NVError("its files changed since it was written")
             return _from_pretrained(str(folder), None, dtype)
+        except MemoryError:  # the entry is sound; a rebuild would need more memory than this load
+            raise
         except Exception as exc:  # any unreadable cache entry is rebuilt from the source
             log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)

@@ -8,6 +8,7 @@ file (the embedded model's tokenizer and quantisation layout) so a llama.cpp ser
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def write_gguf(lm: LoadedModel, template: Path, path: Path) -> Path:
     arch = lm.arch
     if arch.vocab_size != len(reader.fields["tokenizer.ggml.tokens"].data):
         raise NVError("a GGUF reference model must use the template's vocabulary")
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a process's own: two writing one reference do not share it
     writer = gguf.GGUFWriter(str(tmp), "llama")
     for key, field in reader.fields.items():
         if key.startswith(("tokenizer.", "general.quantization_version")):
@@ -151,9 +152,12 @@ def write_gguf(lm: LoadedModel, template: Path, path: Path) -> Path:
             writer.add_tensor(target, data.astype(np.float32))
         else:
             writer.add_tensor(target, gguf.quants.quantize(data, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
