@@ -635,6 +635,25 @@ def test_malformed_log_probabilities_are_one_line_errors():
         with pytest.raises(NVError, match="log-probabilities are malformed") as err:
             parse_reply(reply(bad), chat=True, top_logprobs=0)
         assert "\n" not in str(err.value)
+    # vLLM's bytes are its decoded text re-encoded: every partial UTF-8 token comes as U+FFFD, ef bf bd, which named them
+    # all one token (one column, their counts and log-probs merged); OpenAI's own bytes still name them apart
+    lossy = {"token": "\ufffd", "logprob": -3.0, "bytes": list("\ufffd".encode()), "top_logprobs": []}
+    assert parse_reply(reply(lossy), chat=True, top_logprobs=0)["c"] == [[None, -3.0, []]]
+    assert parse_reply(reply(lossy | {"token": " \ufffd", "bytes": list(" \ufffd".encode())}), chat=True, top_logprobs=0)["c"][0][0] is None
+    assert parse_reply(reply(lossy | {"bytes": [0xE4]}), chat=True, top_logprobs=0)["c"] == [["b:e4", -3.0, []]]
+
+
+def test_the_sampled_tokens_own_log_prob_stands_beside_its_top_entry(tmp_path):
+    """With live.top_logprobs > 0 the sampled token is often listed again among the top entries: its own value is the
+    one kept (the top entry's replaced it, where a server reports them apart), and the token counted once."""
+    oracle = HTTPOracle("http://127.0.0.1:9/v1", "m", top_logprobs=2, journal=Journal(None, {"endpoint": "e"}))
+    record = {"c": [["s:a", -1.0, [["s:a", -1.2], ["s:b", -1.5]]]], "p": 5, "o": 1}
+    key = request_key(oracle._sample_body(["x"], 1.0, [(0, 0)], [1], 0))
+    oracle.journal.put(key, record)
+    (out,) = oracle.sample(["x"], 1, 1.0, [(0, 0)])
+    column = {oracle.journal.column("s:a"): "a", oracle.journal.column("s:b"): "b"}
+    got = {column[int(t)]: (float(lp), int(c)) for t, lp, c in zip(out.token_ids, out.logprobs, out.counts)}
+    assert got == {"a": (-1.0, 1), "b": (-1.5, 1)}
 
 
 # -- the journal itself -------------------------------------------------------------------------

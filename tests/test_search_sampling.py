@@ -7,13 +7,15 @@ import json
 import zipfile
 
 import numpy as np
+import scipy.sparse as sp
 import pytest
 
 from nv.errors import NVError
 from nv.oracle import Simulator
 from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.prune import greedy_prune
-from nv.phase1.sampling import collect, head, iter_shards, load_samples, observed_mask, sample_budget, thin
+from nv.phase1.sampling import (SampledMatrix, collect, head, iter_shards, load_samples, observed_mask, sample_budget,
+                               save_samples, thin)
 from nv.phase1.search import ALPHABETS, search_prompts
 
 
@@ -233,6 +235,23 @@ def test_subsample_is_the_first_N_calls(lm32, tmp_path):
     assert sub.tokens() * 10 == S.tokens()
     with pytest.raises(NVError, match="sub-budget"):
         S.subsample(30000, seed=1)
+
+
+def test_thinning_counts_the_calls_that_named_no_token(tmp_path):
+    """A row whose counts sum to less than its N calls (replies that named no token: an empty end-of-turn, undecodable
+    text, a withheld log-prob) thins N' of its N calls, the unnamed ones a bucket of their own: 6 named of 10 calls at
+    N' = 7 keep 4.2 named on average and never fail (they kept all 6, and N' = 8 raised "nsample > sum(colors)", which
+    stopped the adaptive loop's check); on disk a shard at a time the same draws."""
+    counts = sp.csr_matrix((np.array([4, 2, 10], dtype=np.int32), np.array([0, 1, 2]), np.array([0, 2, 3])), shape=(2, 5))
+    logprobs = sp.csr_matrix((np.array([-1.0, -2.0, -0.5], dtype=np.float32), counts.indices, counts.indptr), shape=(2, 5))
+    S = SampledMatrix(logprobs, counts, np.array([5, 5]), 10, 2.0)
+    kept = [S.subsample(7, seed).counts.toarray() for seed in range(2000)]
+    named = np.array([k[0].sum() for k in kept])
+    assert named.max() <= 6 and abs(named.mean() - 7 * 6 / 10) < 0.05 and all(k[1].sum() == 7 for k in kept)
+    assert S.subsample(9, 0).counts[0].sum() <= 6  # more calls than named tokens: no error
+    folder = save_samples(S, tmp_path / "s", chunk=1)
+    streamed = load_samples(thin(folder, tmp_path / "t", 7, seed=3))
+    assert (streamed.counts != S.subsample(7, 3).counts).nnz == 0
 
 
 def test_streamed_mask_and_columns_match_the_full_matrix(lm32, tmp_path):

@@ -124,10 +124,11 @@ def token_key(entry: dict | None) -> str | None:
     """A token's identity in a logprobs entry, or None when the reply does not identify it."""
     if not isinstance(entry, dict):
         return None
-    raw = entry.get("bytes")
+    raw, text = entry.get("bytes"), entry.get("token")
     if isinstance(raw, list) and raw:
+        if isinstance(text, str) and "\ufffd" in text and raw == list(text.encode("utf-8", "replace")):
+            return None  # bytes re-encoded from lossy text (vLLM's): every partial UTF-8 token would share them
         return "b:" + bytes(raw).hex()  # ids that are not bytes raise here; parse_reply reports them
-    text = entry.get("token")
     if not isinstance(text, str) or text == "" or "\ufffd" in text:
         return None
     if text.startswith("token_id:"):
@@ -341,7 +342,9 @@ class HTTPOracle(Oracle):
             q, j = divmod(i, len(sizes))
             ell[q] = record["p"]
             for c, (key, lp, top) in enumerate(record["c"]):
-                revealed = dict(([] if lp is None else [(key, lp)]) + [tuple(t) for t in top])
+                # the sampled token first, with its own value (a top entry of it, listed again, does not replace it)
+                first = [] if lp is None else [(key, lp)]
+                revealed = dict(first + [tuple(t) for t in top if lp is None or t[0] != key])
                 for t, (k, v) in enumerate(revealed.items()):
                     if k is not None:
                         entry = seen[q].setdefault(k, [((j, c, t), v), 0])

@@ -68,15 +68,18 @@ class SampledMatrix:
             raise NVError(f"sub-budget N must be in [1, {self.N}], got {N}")
         if N == self.N:
             return self
-        counts, logprobs = _thinned(self.counts, self.logprobs, N, np.random.default_rng(seed))
+        counts, logprobs = _thinned(self.counts, self.logprobs, N, self.N, np.random.default_rng(seed))
         return SampledMatrix(logprobs, counts, self.prompt_tokens, N, self.temperature)
 
 
-def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.random.Generator
+def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, N_from: int, rng: np.random.Generator
              ) -> tuple[sp.csr_matrix, sp.csr_matrix]:
-    """Rows of Y_hat (counts, log-probs) thinned to N calls each, drawing from ``rng`` row after row: the same draws
-    whether the rows come whole (``SampledMatrix.subsample``) or a shard at a time with the generator carried on
-    (``thin``)."""
+    """Rows of Y_hat (counts, log-probs) of N_from calls each thinned to N calls each, drawing from ``rng`` row after
+    row: the same draws whether the rows come whole (``SampledMatrix.subsample``) or a shard at a time with the
+    generator carried on (``thin``). A row whose counts sum to less than N_from (calls that named no token: an empty
+    or undecodable reply, a defence's withheld log-prob) thins them as one more bucket, dropped after: N of its
+    N_from calls, not N of its identified ones (which gave every such row too many, or failed where N exceeded them).
+    With ``live.top_logprobs`` > 0 a row's counts are reveals, more than its calls: thinned as they are."""
     indptr = counts.indptr
     # row by row into arrays sized for every entry, then shrunk in place (realloc): only the kept entries are
     # ever written, so resident memory is the thinned sample alone, not an nnz-sized draw and keep mask beside it
@@ -85,7 +88,10 @@ def _thinned(counts: sp.csr_matrix, logprobs: sp.csr_matrix, N: int, rng: np.ran
     new_indptr = np.zeros(counts.shape[0] + 1, dtype=np.int64)
     for q in range(counts.shape[0]):
         row = slice(indptr[q], indptr[q + 1])
-        drawn = rng.multivariate_hypergeometric(counts.data[row], N)
+        colors = counts.data[row]
+        unnamed = N_from - int(colors.sum())
+        drawn = rng.multivariate_hypergeometric(np.append(colors, unnamed), N)[:-1] if unnamed > 0 else \
+            rng.multivariate_hypergeometric(colors, N)
         keep = drawn > 0
         start, stop = new_indptr[q], new_indptr[q] + np.count_nonzero(keep)
         out["counts"][start:stop] = drawn[keep]
@@ -405,7 +411,7 @@ def head(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
     for path in paths:
         counts, logprobs, prompt_tokens = (x[:left] for x in _shard(path, meta["vocab_size"]))
         if N < meta["N"]:  # as ``subsample``: its own N is the sample itself, no draw
-            counts, logprobs = _thinned(counts, logprobs, N, rng)
+            counts, logprobs = _thinned(counts, logprobs, N, meta["N"], rng)
         parts.append((counts, logprobs, prompt_tokens))
         left -= counts.shape[0]
     return SampledMatrix(sp.vstack([p[1] for p in parts], format="csr"), sp.vstack([p[0] for p in parts], format="csr"),
@@ -420,7 +426,8 @@ def thin(folder: str | Path, out: str | Path, N: int, seed: int) -> Path:
         raise NVError(f"sub-budget N must be in [1, {meta['N']}], got {N}")
     rng = np.random.default_rng(seed)
     return write_samples(out, {k: meta[k] for k in MANIFEST_KEYS} | {"N": N},
-                         (_thinned(counts, logprobs, N, rng) + (prompt_tokens,) for counts, logprobs, prompt_tokens in shards))
+                         (_thinned(counts, logprobs, N, meta["N"], rng) + (prompt_tokens,)
+                          for counts, logprobs, prompt_tokens in shards))
 
 
 @contextmanager
