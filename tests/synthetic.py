@@ -43,7 +43,9 @@ def incomplete_logprobs(D: int = 400, V: int = 3000, rank: int = 60, tau: float 
                         noise_only: bool = False, seed: int = 0) -> np.ndarray:
     """Next-token log-probs of known rank under a bf16 floor: logits = a token popularity profile + H W^T (rank
     ``rank``, column scales decaying ``decay``-fold; with ``noise_only`` i.i.d. noise instead), shifted into [16, 32)
-    and rounded to bf16 (SmolLM2's floor: spacing 0.125), y = log_softmax(z / tau): a D x V array."""
+    and rounded to bf16 (SmolLM2's floor: spacing 0.125), y = log_softmax(z / tau): a D x V array. The profile,
+    shared by every prompt, is one more direction: the row-centred robust estimator counts ``rank`` + 1, the
+    missing-data estimator (which takes the log-partition offset for its extra direction) ``rank``."""
     return _logprobs(np.random.default_rng(seed), D, V, rank, tau, decay, noise_only)
 
 

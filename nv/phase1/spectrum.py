@@ -174,7 +174,9 @@ def robust_from_singular_values(
     and d_hat = g * ceil(k / g) (g = 64: a raw 575 or 576 both give 576).
     Otherwise the result is "not saturated" with lower_bound = the number of sigma_i above the
     Gavish-Donoho threshold omega(beta) * median(sigma), beta = aspect ratio of the matrix;
-    signal in the median only raises that threshold, so the bound stays conservative (<= n).
+    signal in the median only raises that threshold, so the bound stays conservative (<= n) under a floor of one
+    variance; one whose variance differs by column (bf16 logits straddling binades) can lift noise over it (README:
+    phase 1, the robust estimator's bound).
     Only ratios of sigma_i enter, so the result is invariant to rescaling Y.
     Diagnostics: sigma, log_sigma, gaps (entry k-1 is gap_k), z (NaN where ineligible),
     window W, k_best.
