@@ -10,21 +10,22 @@ from nv.plots.validation import fail_band, log_axis
 
 def error_vs_budget(table: pd.DataFrame, model: str):
     """One panel per platform: relative errors of d, L and P against the total tokens (phase 1 +
-    timing); one line per timing budget K' (trials per length). Phase-1 budgets without a
+    timing); a colour per estimate, a marker per timing budget K' (trials per length). Phase-1 budgets without a
     saturated spectrum have no d_hat: red crosses in the "no estimate" band above the axes."""
     platforms = list(dict.fromkeys(table.platform))
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.2 * len(platforms), 4.6), squeeze=False, sharey=True)
     for ax, platform in zip(axes[0], platforms):
         sub = table[table.platform == platform]
-        for j, (K, rows) in enumerate(sub.groupby("trials")):
+        for (K, rows), marker in zip(sub.groupby("trials"), "osD^v"):  # K' by marker, the estimate by colour
             rows = rows.sort_values("tokens")
-            style = {"alpha": 0.4 + 0.6 * (j + 1) / sub.trials.nunique()}
             for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
-                ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "o-", ms=3, color=color,
-                        label=f"{what}_hat, K'={K}" if j == sub.trials.nunique() - 1 or what == "L" else None, **style)
+                ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "-", marker=marker, ms=5, mfc="none", color=color, alpha=0.8)
+            ax.plot([], [], marker, mfc="none", color="0.3", label=f"K' = {K} timing trials")
+        for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
+            ax.plot([], [], "-", color=color, label=f"{what}_hat")
         fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105, "spectrum not saturated: no d_hat")
         ax.axhline(30, ls=":", color="0.5", lw=1)
-        ax.set_ylim(0, 115)
+        ax.set_ylim(-4, 115)
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set(ylabel="relative error (%)", title=f"{model} on {platform}")
         ax.legend(fontsize=7)

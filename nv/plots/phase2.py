@@ -23,12 +23,12 @@ def scaling(records: dict[str, list[dict]], discard: int):
     the line is Eq. 2 fitted on the reference models (true d and L). Real models (role target: the attacked model,
     and in the validation every model of the set) are stars, each in its own colour: off the line is what their
     family details do to the single scaling law."""
-    fig, axes = plt.subplots(1, len(records), figsize=(6.2 * len(records), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(records), figsize=(8.4 * len(records), 4.6), squeeze=False)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
         pts = timings(refs, discard, "d")
         fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
-        target_colors = iter(["k", "crimson", "darkviolet", "darkgreen", "saddlebrown"] * 4)
+        target_colors = iter(["k", "0.45", "darkviolet", "darkgreen", "saddlebrown"] * 4)  # none of tab10's
         for i, r in enumerate(recs):
             x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
             order = np.argsort(r["ell"])
@@ -38,10 +38,10 @@ def scaling(records: dict[str, list[dict]], discard: int):
             ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
         xs = np.linspace(0, ax.get_xlim()[1], 50)
         ax.plot(xs, fit.slope * xs + fit.intercept, "k--", lw=1,
-                label=f"Eq. 2 fit: beta={fit.slope:.3g} s, alpha={fit.intercept:.3g} s")
+                label=f"Eq. 2 fit: beta={fit.slope:.3g} s per layer x token^2 x dim, alpha={fit.intercept:.3g} s")
         ax.set(xlabel="L ell^2 d (layers x tokens^2 x hidden size)", ylabel="prefill time T (s, minus ell=1 baseline)",
                title=_LABELS.get(platform, platform))
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: the points stay visible
     fig.suptitle("Timing scaling relation T ~ beta L ell^2 d + alpha (hollow: short lengths discarded, App. D)")
     fig.tight_layout()
     return fig
@@ -84,8 +84,15 @@ def errors(table: pd.DataFrame):
             ax.bar(x, 100 * sub[rounded], 0.27, color=color, alpha=0.4, label="basic, L_hat rounded")
             ax.bar(x + 0.27, 100 * sub[col.format("_eq10")], 0.27, color="white", edgecolor=color, hatch="///",
                    label="gamma_g / (k beta) (Eq. 10)")
-            for xi in x[sub[col.format("")].isna().to_numpy()]:
-                ax.text(xi - 0.27, 0, "no fit", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4")
+            # a bar that is missing (no fit) and one of exactly 0 % look alike: each is marked at its own place
+            for shift, values in ((-0.27, sub[col.format("")]), (0.0, sub[rounded]), (0.27, sub[col.format("_eq10")])):
+                for xi, v in zip(x, values.to_numpy(dtype=float)):
+                    if np.isnan(v):
+                        ax.plot(xi + shift, 0, "x", color="crimson", ms=7, mew=2, zorder=4)
+                    elif v == 0:
+                        ax.plot(xi + shift, 0, "o", color=color, ms=4, zorder=4)
+            ax.plot([], [], "x", color="crimson", ms=7, mew=2, label="no fit (no estimate)")
+            ax.set_xlim(-0.6, len(sub) - 0.4)
             ax.set_xticks(x, [m + (" *" if role == "target" else "") for m, role in zip(sub.model, sub.role)], rotation=35,
                           ha="right", fontsize=7)
             ax.set(ylabel=f"relative error of {what}_hat (%)", title=f"{group}: {what}_hat")
@@ -107,11 +114,13 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
         gamma = fit_gamma(pts.d, pts.ell, pts.T, pts.sigma)
         x = pts.ell**2 * pts.d
         axes[0].scatter(x, pts.T, s=10, color=f"C{i}", alpha=0.6, label=f"{_LABELS.get(platform, platform)} references")
-        xs = np.linspace(0, x.max(), 50)
-        axes[0].plot(xs, gamma.slope * xs + gamma.intercept, color=f"C{i}", lw=1, label=f"gamma = {gamma.slope:.3g} s")
+        xs = np.geomspace(x.min(), x.max(), 50)
+        axes[0].plot(xs, gamma.slope * xs + gamma.intercept, color=f"C{i}", lw=1,
+                     label=f"gamma = {gamma.slope:.3g} s per token^2 x dim (its {len(refs)} references)")
         target = next(r for r in recs if r["role"] == "target")
         axes[1].plot(target["ell"], target["T"], "o-", ms=3, color=f"C{i}", label=_LABELS.get(platform, platform))
-    axes[0].set(xlabel="ell^2 d", ylabel="prefill time T (s)", title="L-unknown fits on each platform (Eqs. 6-7)")
+    axes[0].set(xlabel="ell^2 d", ylabel="prefill time T (s)", title="L-unknown fits on each platform (Eqs. 6-7)",
+                xscale="log", yscale="log")  # the platforms' lengths differ ~10x: linear axes hid one in a corner
     axes[0].legend(fontsize=7)
     axes[1].set(xlabel="prompt tokens ell", ylabel="prefill time T (s)", title="the attacked model, end to end")
     axes[1].legend(fontsize=7)

@@ -24,12 +24,13 @@ def log_axis(ax, xlabel: str) -> None:
     ax.set_xlabel(xlabel)
 
 
-def fail_band(ax, xs, top: float, label: str | None) -> None:
-    """Red crosses just above the plotted range, with the band labelled, for budgets with no estimate."""
+def fail_band(ax, xs, top: float, label: str | None, color: str | None = None) -> None:
+    """Crosses just above the plotted range (edged in the model's ``color``: which model failed), in a red band
+    labelled inside it, for budgets with no estimate."""
     if len(xs):
-        ax.plot(list(xs), [top] * len(xs), label=label, **FAIL)
+        ax.plot(list(xs), [top] * len(xs), label=label, **(FAIL | ({"mec": color} if color else {})))
     ax.axhspan(top * 0.96, top * 1.04, color="red", alpha=0.07)
-    ax.annotate("no estimate", (0.01, top * 1.04), xycoords=("axes fraction", "data"), color="red", fontsize=7, va="bottom")
+    ax.annotate("no estimate", (0.01, top), xycoords=("axes fraction", "data"), color="red", fontsize=8, va="center")
 
 
 def below(ax) -> None:
@@ -58,14 +59,14 @@ def d_vs_budget(phase1: pd.DataFrame):
             ax.plot(ok.N, 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.7, ms=6,
                     label=f"{model} (d = {int(r.d_true.iloc[0])})")
             fail = r[~r.saturated]
-            fail_band(ax, fail.N, top, None)
-            if method != "paper" and len(fail):
-                ax.plot(fail.N, 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "v", mfc="none", color=colors[model], ms=7)
+            fail_band(ax, fail.N, top, None, colors[model])
+            if method != "paper" and len(fail):  # d >= bound: the error is at least the bound's, so the triangle points up
+                ax.plot(fail.N, 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "^", mfc="none", color=colors[model], ms=7)
         mean = rows[rows.saturated].groupby("N").apply(lambda g: 100 * np.mean(np.abs(g.d_hat_raw - g.d_true) / g.d_true),
                                                           include_groups=False)
         ax.plot(mean.index, mean.values, "k_-", lw=2.5, ms=14, mew=2.5, label="mean |error| of the saturated models")
         if method != "paper":
-            ax.plot([], [], "v", mfc="none", color="0.3", label="not saturated: lower bound")
+            ax.plot([], [], "^", mfc="none", color="0.3", label="not saturated: lower bound (error at least)")
         ax.plot([], [], label="not saturated: no estimate", **FAIL)
         ax.axhline(0, color="0.6", lw=0.8)
         log_axis(ax, "samples per prompt N")
@@ -83,14 +84,19 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
     for model, r in cases.groupby("model", sort=False):
         r = r.sort_values(x)
         ok = r[r[f"{what}_err"].notna()]
-        ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "o-", color=colors[model], alpha=0.7, ms=5, label=model)
-        fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None)
+        ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
+        for K, marker in zip(sorted(ok.trials.unique()), "osD^v"):  # the cases of one phase-1 budget differ in K'
+            at = ok[ok.trials == K]
+            ax.plot(at[x], 100 * at[f"{what}_err"].abs(), marker, color=colors[model], alpha=0.8, ms=5)
+        fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None, colors[model])
     ok = cases[cases[f"{what}_err"].notna()].sort_values(x)
     if len(ok):  # the k-th cheapest case of every model, averaged (models differ in their budgets)
         means = ok.assign(rank=ok.groupby("model").cumcount()).groupby("rank").agg(
             x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
         means = means[means.n == ok.model.nunique()]
-        ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget)")
+        ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget; bar: the mean)")
+    for K, marker in zip(sorted(cases.trials.dropna().unique()), "osD^v"):
+        ax.plot([], [], marker, color="0.3", label=f"K' = {int(K)} timing trials")
 
 
 def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
@@ -102,7 +108,7 @@ def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
     for ax, what in zip(axes, ("d", "L", "P")):
         _per_model(ax, sub, "tokens", what, colors, 105)
         ax.plot([], [], label="no d_hat at this budget", **FAIL)
-        ax.set_ylim(0, 115)
+        ax.set_ylim(-4, 115)  # a 0 % point whole, not half under the axis
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set_ylabel(f"|relative error| of {what}_hat (%)")
         ax.set_title({"d": "hidden dimension d", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
@@ -120,7 +126,8 @@ def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: floa
     for i, what in enumerate(("L", "P")):
         for ax, x, label in ((axes[i, 0], "calls", "API calls"), (axes[i, 1], "usd", f"cost (USD at ${price:g} per million tokens)")):
             _per_model(ax, sub, x, what, colors, 105)
-            ax.set_ylim(0, 115)
+            ax.plot([], [], label="no estimate at this budget", **FAIL)
+            ax.set_ylim(-4, 115)
             log_axis(ax, label)
             ax.set_ylabel(f"|relative error| of {what}_hat (%)")
             below(ax)
@@ -153,7 +160,11 @@ def L_P_errors(top: pd.DataFrame):
             if col in ("L_hat", "P_hat"):  # thick: the rule's estimator's interval; thin: the hull of both estimators'
                 for suffix, style in (("_rule", {"ecolor": "0.55", "lw": 4, "capsize": 0}), ("", {"ecolor": "k", "lw": 1, "capsize": 2})):
                     lo, hi = (100 * (rows[f"{col[0]}_{b}{suffix}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
-                    hi = hi.clip(upper=TOP)  # an infinite interval runs off the top
+                    for xi, h in zip(x, hi):  # past the axis: its value written at the top (an infinite one: inf)
+                        if h > TOP and suffix == "":
+                            ax.annotate("inf" if np.isinf(h) else f"+{h:.0f} %", (xi, TOP), ha="center", va="top",
+                                        fontsize=6, rotation=90, xytext=(0, -2), textcoords="offset points")
+                    hi = hi.clip(upper=TOP)
                     ax.errorbar(x, err.fillna(0), yerr=[(err - lo).clip(lower=0).fillna(0), (hi - err).clip(lower=0).fillna(0)],
                                 fmt="none", **style)
         ax.axhline(0, color="k", lw=0.8)
@@ -163,7 +174,7 @@ def L_P_errors(top: pd.DataFrame):
         ax.set_ylabel("signed relative error (%)")
         ax.set_ylim(-100, TOP)
         ax.set_title(f"references: {setup} (90 % intervals, thin: hull of both depth estimators', thick: the rule's "
-                     "estimator's; off the top: infinite; dotted: +-25 %)", fontsize=10)
+                     "estimator's; past the top: its upper end written there; dotted: +-25 %)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     return fig
