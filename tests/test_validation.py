@@ -109,12 +109,12 @@ def test_d_vs_budget_draws_a_failure_as_a_failure():
     assert sorted(x for line in crosses for x in line.get_xdata()) == [10**4, 10**4, 10**5]
     assert all(y == 115 for line in crosses for y in line.get_ydata())  # in the band above the plotted errors
     assert ax.get_ylim()[0] < 0 < 115 < ax.get_ylim()[1]
-    bounds = sorted((x, y) for line in _lines(ax, "v") for x, y in zip(line.get_xdata(), line.get_ydata()))
+    bounds = sorted((x, y) for line in _lines(ax, "^") for x, y in zip(line.get_xdata(), line.get_ydata()))  # d >= bound: up
     assert bounds == sorted([(10**4, 100 * (300 - 576) / 576), (10**4, 100 * (100 - 896) / 896), (10**5, 100 * (500 - 896) / 896)])
     (mean,) = _lines(ax, "_")
     assert list(mean.get_xdata()) == [10**5, 3 * 10**5]
     assert np.allclose(mean.get_ydata(), [100 * 6 / 576, 100 * (0 + 1 / 896) / 2])
-    assert not _lines(fig.axes[1], "v")  # the paper estimator gives no lower bound
+    assert not _lines(fig.axes[1], "^")  # the paper estimator gives no lower bound
     _legible(fig)
 
 
@@ -130,7 +130,7 @@ def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero(
         for k, (d_err, L_err, P_err) in enumerate(errs):
             for setup, platform in (("F", "inprocess"), ("all", "inprocess"), ("F", "llamacpp")):
                 rows.append({"model": model, "setup": setup, "platform": platform, "tokens": 10.0 ** (9 + k), "calls": 10.0 ** (7 + k),
-                             "usd": 10.0 ** k, "d_err": d_err, "L_err": L_err, "P_err": P_err})
+                             "usd": 10.0 ** k, "trials": 5, "d_err": d_err, "L_err": L_err, "P_err": P_err})
     cases = pd.DataFrame(rows).astype({"d_err": float, "L_err": float, "P_err": float})
     fig = err_d_L_N(cases, "inprocess")
     for ax, what in zip(fig.axes, "dLP"):
