@@ -162,8 +162,9 @@ def L_P_errors(top: pd.DataFrame):
                     lo, hi = (100 * (rows[f"{col[0]}_{b}{suffix}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
                     for xi, h in zip(x, hi):  # past the axis: its value written at the top (an infinite one: inf)
                         if h > TOP and suffix == "":
-                            ax.annotate("inf" if np.isinf(h) else f"+{h:.0f} %", (xi, TOP), ha="center", va="top",
-                                        fontsize=6, rotation=90, xytext=(0, -2), textcoords="offset points")
+                            ax.annotate("to inf" if np.isinf(h) else f"to +{h:.0f} %", (xi, TOP), ha="left", va="top",
+                                        fontsize=7, xytext=(3, -2), textcoords="offset points",
+                                        bbox={"fc": "white", "ec": "none", "pad": 0.5})
                     hi = hi.clip(upper=TOP)
                     ax.errorbar(x, err.fillna(0), yerr=[(err - lo).clip(lower=0).fillna(0), (hi - err).clip(lower=0).fillna(0)],
                                 fmt="none", **style)
