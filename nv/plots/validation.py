@@ -27,10 +27,10 @@ def log_axis(ax, xlabel: str) -> None:
 def fail_band(ax, xs, top: float, label: str | None, color: str | None = None) -> None:
     """Crosses just above the plotted range (edged in the model's ``color``: which model failed), in a red band
     labelled inside it, for budgets with no estimate."""
-    if len(xs):
-        ax.plot(list(xs), [top] * len(xs), label=label, **(FAIL | ({"mec": color} if color else {})))
+    if len(xs):  # the model's colour inside a red outline
+        ax.plot(list(xs), [top] * len(xs), label=label, **(FAIL | ({"mfc": color, "mec": "red", "mew": 1.2} if color else {})))
     ax.axhspan(top * 0.96, top * 1.04, color="red", alpha=0.07)
-    ax.annotate("no estimate", (0.01, top), xycoords=("axes fraction", "data"), color="red", fontsize=8, va="center")
+    ax.annotate("no estimate", (0.99, top), xycoords=("axes fraction", "data"), color="red", fontsize=8, va="center", ha="right")
 
 
 def below(ax) -> None:
