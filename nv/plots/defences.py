@@ -12,7 +12,7 @@ import pandas as pd
 from nv.phase1.spectrum import d_interval
 
 WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls": "none"}
-OFFSET = (-0.12, 0.0, 0.12)  # x offsets of the variants' crosses in the band, so that none hides another
+OFFSET = (-0.18, 0.0, 0.18)  # x offsets of the variants' crosses in the band, so that none hides another
 VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("with counter-measure", "C0", "o"),
             "attack_10x": ("with counter-measure, 10x budget", "C2", "^")}
 
@@ -38,7 +38,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
     knobs = [k for k in dict.fromkeys(table.knob) if k != "none"]
     cols = 4
     rows = math.ceil(len(knobs) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.9 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
     base1 = p1[p1.knob == "none"].iloc[0]
     base2 = p2[(p2.knob == "none") & (p2.variant == "no_counter")].iloc[0]
     for ax, knob in zip(axes.flat, knobs):
@@ -49,10 +49,13 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
         if phase == 1:
             top, tol = 300.0, d_true - d_interval(d_true, None)[0]
             sub = p1[p1.knob == knob]
+            countered = (sub.variant == "no_counter").any()  # a knob without a counter-measure has the attack alone
             for j, (variant, (label, color, marker)) in enumerate(VARIANTS.items()):
                 v = sub[sub.variant == variant]
                 if v.empty:
                     continue
+                if variant == "attack" and not countered:
+                    label, color = "the attack (this knob has no counter-measure)", "C4"
                 first = base1 if variant != "attack_10x" else None
                 points = ([first] if first is not None else [None]) + [r for _, r in v.iterrows()]
                 ys, fails = [], []
@@ -71,14 +74,17 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                     if y > tol:  # saturated and off: a wrong answer, not a point near the exact band
                         ax.plot(i, min(y, top), **WRONG)
                         ax.annotate(f"wrong: {y:+.0f}" if y > top else "wrong", (i, min(y, top)), textcoords="offset points",
-                                    xytext=(9, 4 + 8 * j), fontsize=6.5, color="red")
-                for i, lb in fails:
+                                    xytext=(9, 4 + 8 * j), fontsize=7.5, color="red")
+                for i, lb in fails:  # its lower bound written down from the cross, each variant at its own x
                     ax.plot(i + OFFSET[j], top * 1.1, marker="X", color=color, mec="red", ms=9, ls="none")
                     ax.annotate(f"d >= {int(lb or 0)}", (i + OFFSET[j], top * 1.1), textcoords="offset points",
-                                xytext=(6, 4 - 8 * j), fontsize=6.5, color=color)
+                                xytext=(0, -8), fontsize=7, color=color, rotation=90, ha="center", va="top")
             ax.axhspan(0, tol, color="green", alpha=0.12, label=f"exact (|error| <= {tol:g})")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
+            ax.annotate("no estimate", (0.99, top * 1.1), xycoords=("axes fraction", "data"), color="red", fontsize=8,
+                        ha="right", va="center")
             ax.set_ylim(-5, top * 1.2)
+            ax.set_yticks(np.arange(0, top + 1, 50))  # no tick in the band: a cross there is no error value
             ax.set_ylabel(f"|d_hat_raw - d| ({estimator})")
             ax.set_title(f"phase 1 vs {knob}")
         else:
@@ -97,10 +103,13 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                         ax.annotate(f"{y:.0f} %", (i, top), textcoords="offset points", xytext=(3, 2), fontsize=7, color=color)
             ax.axhline(100 * L_tolerance, color="0.4", ls=":", lw=1, label=f"attack works below {100 * L_tolerance:g} %")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
+            ax.annotate("no fit", (0.99, top * 1.1), xycoords=("axes fraction", "data"), color="red", fontsize=8,
+                        ha="right", va="center")
             ax.set_ylim(-3, top * 1.2)
+            ax.set_yticks(np.arange(0, top + 1, 25))
             ax.set_ylabel("|L_hat - L| / L (%)")
             ax.set_title(f"phase 2 vs {knob} (L = {int(base2.L_true)})")
-        ax.set_xticks(x, labels, fontsize=6.5)
+        ax.set_xticks(x, labels, fontsize=7.5)
         ax.set_xlabel(f"{knob} (setting, and its price)", fontsize=8)
         ax.set_xlim(-0.4, len(labels) - 0.4)
     for ax in list(axes.flat)[len(knobs):]:

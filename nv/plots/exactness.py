@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.transforms import offset_copy
 import numpy as np
 import pandas as pd
 
@@ -29,14 +30,15 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     offset = {"robust": 12, "paper": -18, "incomplete": 24}  # the cheapest cells' labels, clear of each other
     for ax, ((model, tau), g) in zip(axes.flat, panels):
         per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
-        for method, (x, marker) in shift.items():
+        for k, (method, (x, marker)) in enumerate(shift.items()):
             rows = g[g.method == method]
             ax.scatter(rows.N * x, rows.D, c=[OUTCOME_COLORS[o] for o in rows.outcome], marker=marker, s=70,
                        edgecolors="k", linewidths=0.5, zorder=3)
             for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
                 said = f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else (
                     f">={r.lower_bound:.0f}" if pd.notna(r.lower_bound) else "")
-                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11), ha="center", fontsize=6)
+                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11 - 7 * k), ha="center",
+                            fontsize=6, color="0.2")  # one line per estimator (left, middle, right), not overprinted
             b = best.loc[(model, tau, method)]
             if np.isfinite(b.tokens):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
@@ -44,12 +46,13 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
                             xytext=(0, offset[method]), ha="center", fontsize=7)
         stops = adaptive[(adaptive.model == model) & (adaptive.temperature == tau) & adaptive.N.notna()] \
             if adaptive is not None and len(adaptive) else pd.DataFrame()
-        for r in stops.itertuples():  # above the grid, clear of the cheapest cell's label
+        above = offset_copy(ax.transData, fig=fig, y=26, units="points")  # over its own (N, all D) cell, pointing at it
+        for r in stops.itertuples():
             said = f"raw {r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else f"d >= {r.lower_bound:.0f}"
-            ax.scatter(r.N, g.D.max() * 2.2, marker="v", s=90, color="tab:blue", edgecolors="k", zorder=4)
+            ax.scatter(r.N, g.D.max(), marker="v", s=90, color="tab:blue", edgecolors="k", zorder=4, transform=above)
             verdict = f"stops at N = {r.N:.2g}" if r.stop == "stable" else f"not yet stable at N = {r.N:.2g} (draws end)"
-            ax.annotate(f"adaptive: {said}, {verdict}", (r.N, g.D.max() * 2.2), textcoords="offset points",
-                        xytext=(0, 7), ha="center", fontsize=7, color="tab:blue")
+            ax.annotate(f"adaptive (D = {g.D.max():,}): {said}, {verdict}", (r.N, g.D.max()), textcoords="offset points",
+                        xytext=(0, 34), ha="center", fontsize=7, color="tab:blue")
         N_lo, N_hi = g.N.min() / 2, g.N.max() * 2
         D_lo, D_hi = g.D.min() / 1.6, g.D.max() * (3.2 if len(stops) else 1.6)
         if paper_budget:
@@ -75,9 +78,9 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     handles += [plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
     if adaptive is not None and len(adaptive):
-        handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (all D)"))
+        handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (over its cell)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
-    fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), nested draws")
+    fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), the first D prompts, N calls thinned")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
 
@@ -103,8 +106,8 @@ def threshold(table: pd.DataFrame, limits: pd.DataFrame):
         row = lim.loc[model]
         if row.separates:
             ax.axvspan(row.R_max_not_exact, row.R_min_exact, color="tab:green", alpha=0.25, zorder=1)
-            ax.annotate(f"R* in ({row.R_max_not_exact:.0f}, {row.R_min_exact:.0f}]", (row.R_min_exact, 0.05),
-                        xycoords=("data", "axes fraction"), xytext=(4, 0), textcoords="offset points", fontsize=8)
+            ax.annotate(f"R* in ({row.R_max_not_exact:.0f}, {row.R_min_exact:.0f}] (shaded)", (0.02, 0.05),
+                        xycoords="axes fraction", fontsize=8)  # inside the axes, wherever the band lies
         elif row.separates is False:
             ax.annotate("exact and not-exact cells overlap in R", (0.02, 0.95), xycoords="axes fraction", fontsize=8,
                         va="top", color="tab:red")

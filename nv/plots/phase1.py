@@ -142,6 +142,9 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     return fig
 
 
+BAND = 125  # budget_sweep's "no estimate" row, above the error axis (0-100 %)
+
+
 def budget_sweep(table, d_true: int | None):
     """Relative error of d_hat (raw) versus token budget for every estimator of the table; failures marked."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -157,16 +160,20 @@ def budget_sweep(table, d_true: int | None):
         ax.plot(ok.tokens, ok.rel_error * 100, "-", color=color, marker=ok_marker, ms=ok_ms,
                 mfc="none" if hollow else color, label=f"{method}: d_hat")
         fail = rows[rows.d_hat_raw.isna()]
-        for _, r in fail.iterrows():
-            ax.plot(r.tokens, 100, marker, color=color, ms=ms)
-            ax.annotate(r.reason, (r.tokens, 100), textcoords="offset points", xytext=(0, dy), ha="center", fontsize=7,
+        for _, r in fail.iterrows():  # in the band above the error axis: no error value, the reason written by it
+            ax.plot(r.tokens, BAND, marker, color=color, ms=ms)
+            ax.annotate(r.reason, (r.tokens, BAND), textcoords="offset points", xytext=(0, dy), ha="center", fontsize=7,
                         color=color)
     ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
+    ax.axhspan(BAND - 9, BAND + 9, color="red", alpha=0.07)
+    ax.annotate("no estimate", (0.99, BAND), xycoords=("axes fraction", "data"), color="red", fontsize=8, ha="right",
+                va="center")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_ylim(-5, 115)
+    ax.set_ylim(-5, BAND + 12)
+    ax.set_yticks(np.arange(0, 101, 20))
     ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
-    ax.set_ylabel(f"relative error of d_hat (%), true d = {d_true}")
+    ax.set_ylabel(f"relative error of d_hat_raw (%), true d = {d_true}")
     ax.set_title("Hidden-dimension error versus budget (x, +, Y: no estimate, with the reason)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -16,7 +16,8 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
     for ax, model in zip(axes[0], models):
         rows, s = table[table.model == model], summary.set_index("model").loc[model]
         N, mu = curves[model]
-        ax.plot(N, np.maximum(mu, 0.5), color="C0", label=f"predicted from the pilot ({s.pilot_prompts:.0f} x {s.pilot_N:,.0f})")
+        ax.plot(N, np.where(mu >= 1, mu, np.nan), color="C0",  # below one token the log axis has nothing to show
+                label=f"predicted from the pilot ({s.pilot_prompts:.0f} x {s.pilot_N:,.0f})")
         ax.plot(rows.N, np.maximum(rows.measured_C, 0.5), "o", color="C0", label="measured: tokens under every prompt")
         ax.plot(rows.N, rows.pruned_C, "s", mfc="none", color="C2", label="measured: greedy-pruned common set")
         ax.axhline(s.d_true, color="k", ls=":", lw=1, label=f"true d = {s.d_true:.0f}")
