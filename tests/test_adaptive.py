@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ def test_schedule_grows_geometrically_to_n_max():
     with pytest.raises(NVError, match=r"sampling.growth = 1.0000001 takes more than 64 rounds .* at least 1.07"):
         schedule(10_000, 10**6, 1.0000001)
     assert len(schedule(1, 10**9, 1.4)) == 61  # log(10^9) / log(1.4) = 61.6 steps (fewer: ceil at small N), a plan
+    assert next_budget(225, False, sys.maxsize, 1.5) == 338  # the "next round would cost" line past N_max: no limit there
 
 
 def test_a_saturated_round_that_fails_its_check_is_followed_by_one_sqrt2_larger():

@@ -15,6 +15,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from nv.cli import defence_overrides
 from nv.errors import NVError
@@ -80,7 +81,8 @@ def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: 
             async with aiohttp.ClientSession() as client:
                 for method, path, body in requests:
                     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-                    async with client.request(method, f"http://127.0.0.1:{proxy_port}{path}", **kwargs) as r:
+                    # the path as given, dot segments and escapes kept (a client such as curl --path-as-is sends them)
+                    async with client.request(method, URL(f"http://127.0.0.1:{proxy_port}{path}", encoded=True), **kwargs) as r:
                         text = await r.text()
                         try:
                             payload = json.loads(text)
@@ -121,8 +123,10 @@ def test_only_the_model_list_and_health_are_readable():
     prompt_seconds_total) read before and after a request gives its own prefill time, around every timing knob; it
     used to pass, as did /slots and /props."""
     readable = ["/v1/models", "/models", "/health", "/v1/models/m"]
-    replies, seen = exchange(Defence(latency_quantum_ms=1000), [("GET", p, None) for p in readable + ["/metrics", "/slots", "/props"]])
-    assert [r[0] for r in replies] == [200] * 4 + [403] * 3
+    around = ["/v1/models/../../metrics", "/v1/models/%2e%2e/%2e%2e/metrics", "/v1/models/a/b"]  # the upstream resolves dots
+    replies, seen = exchange(Defence(latency_quantum_ms=1000),
+                             [("GET", p, None) for p in readable + ["/metrics", "/slots", "/props"] + around])
+    assert [r[0] for r in replies] == [200] * 4 + [403] * 3 + [400, 400, 403]
     assert "a server's /metrics gives each request's own prefill time" in replies[4][2]["error"]["message"]
     assert [s["path"] for s in seen] == readable
 
@@ -172,7 +176,7 @@ def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncatio
     assert defend_request({"top_k": 100}, Defence(top_k=50))["top_k"] == 50
     # a top_k the server reads as off is the provider's: llama.cpp truncates 0.5 to 0, and 0 switches top-k off (it
     # was kept as the "stricter" one); a whole value is sent as an int
-    for mine, sent in ((0.5, 2), (0.99, 2), (1.5, 2), (-1, 2), (1, 1), (1.0, 1), (3.0, 2)):
+    for mine, sent in ((0.5, 2), (0.99, 2), (1.5, 2), (-1, 2), (1, 1), (1.0, 1), (3.0, 2), (float("inf"), 2)):
         assert defend_request({"top_k": mine}, Defence(top_k=2))["top_k"] == sent and type(sent) is int, mine
     assert defend_request({"temperature": 0.8}, Defence()) == {"temperature": 0.8}  # no knob: untouched
     with pytest.raises(NVError, match="'temperature' must be a number, got True"):

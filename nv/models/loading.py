@@ -199,9 +199,10 @@ def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):
             if json.loads((folder / STAMP).read_text()) != _stamp(folder):
                 raise NVError("its files changed since it was written")
             return _from_pretrained(str(folder), None, dtype)
-        except MemoryError:  # the entry is sound; a rebuild would need more memory than this load
-            raise
-        except Exception as exc:  # any unreadable cache entry is rebuilt from the source
+        except Exception as exc:  # any unreadable cache entry is rebuilt from the source, unless memory ran out (a
+            # MemoryError, or torch's RuntimeError "can't allocate memory"): a sound entry, whose rebuild needs more
+            if isinstance(exc, MemoryError) or "allocate memory" in str(exc) or "out of memory" in str(exc):
+                raise
             log.warning("model cache %s is unreadable (%s): rebuilding it", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)
     read_gguf(Path(source) / gguf)  # a truncated or corrupt file: one line, not transformers' traceback

@@ -38,7 +38,7 @@ import json
 import math
 import socket
 import time
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import numpy as np
@@ -73,7 +73,8 @@ PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 # the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor (a top_k the
 # server reads as off, 0 or -1, or not whole: llama.cpp truncates 0.5 to 0, which switches top-k off, is the provider's)
-STRICTER = {"top_k": lambda mine, theirs: int(min(mine, theirs)) if mine >= 1 and mine == int(mine) else theirs,
+STRICTER = {"top_k": lambda mine, theirs: int(min(mine, theirs)) if math.isfinite(mine) and mine >= 1 and mine == int(mine)
+            else theirs,
             "top_p": min, "min_p": max}
 # the GET routes forwarded: the model list and health; not /metrics (vLLM's and llama.cpp's prefill-time counters
 # give each request's own prefill time, around every timing knob), /slots or /props
@@ -219,7 +220,11 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
         start = time.monotonic()
         data = await request.read()
         defended = request.method not in PASSED
-        if not defended and request.path.rstrip("/") not in READABLE and not request.path.startswith(("/v1/models/", "/models/")):
+        segments = unquote(request.raw_path.split("?")[0]).split("/")
+        if "." in segments or ".." in segments:  # the upstream would resolve them: /v1/models/../../metrics is /metrics
+            return _error(400, f"a path with '.' or '..' segments is not forwarded: {request.path}")
+        model = request.path.startswith(("/v1/models/", "/models/")) and request.path.rstrip("/").count("/") <= 3
+        if not defended and request.path.rstrip("/") not in READABLE and not model:
             return _error(403, f"only {', '.join(READABLE)} are readable through the proxy, not {request.method} "
                                f"{request.path}: a server's /metrics gives each request's own prefill time")
         if defended:

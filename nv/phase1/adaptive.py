@@ -61,16 +61,21 @@ def next_budget(N: int, saturated: bool, N_max: int, growth: float = 2.0) -> int
     whose check failed (its successor's check is then N itself), capped at N_max."""
     if not 1 <= N <= N_max or growth <= 1:
         raise NVError(f"adaptive sampling needs 1 <= N <= N_max and growth > 1, got N={N}, N_max={N_max}, growth={growth}")
-    if math.log(N_max / N) > MAX_ROUNDS * math.log(growth):
-        raise NVError(f"sampling.growth = {growth} takes more than {MAX_ROUNDS} rounds from N = {N:,} to N_max = {N_max:,} "
-                      f"(each estimates the spectrum again): use a growth of at least {(N_max / N) ** (1 / MAX_ROUNDS):.3g}")
     return min(N_max, math.ceil(N * (min(growth, CHECK) if saturated else growth)))
+
+
+def check_rounds(N0: int, N_max: int, growth: float) -> None:
+    """The params' check, before anything is sent: a valid first round, and N_max within ``MAX_ROUNDS`` of it."""
+    next_budget(N0, False, N_max, growth)
+    if math.log(N_max / N0) > MAX_ROUNDS * math.log(growth):
+        raise NVError(f"sampling.growth = {growth} takes more than {MAX_ROUNDS} rounds from N = {N0:,} to N_max = {N_max:,} "
+                      f"(each estimates the spectrum again): use a growth of at least {(N_max / N0) ** (1 / MAX_ROUNDS):.3g}")
 
 
 def schedule(N0: int, N_max: int, growth: float = 2.0) -> list[int]:
     """The rounds' cumulative N while no round is saturated: N_0, growth N_0, growth^2 N_0, ..., the last capped
     at N_max (the most rounds a budget plan needs to afford)."""
-    next_budget(N0, False, N_max, growth)  # the params' check
+    check_rounds(N0, N_max, growth)
     out = [N0]
     while out[-1] < N_max:
         out.append(next_budget(out[-1], False, N_max, growth))
@@ -210,7 +215,7 @@ def sample_adaptive(
         report = (lambda line: tqdm.write(line, file=sys.stderr)) if progress else (lambda line: None)
     N_max, growth = sampling["N_max"], sampling["growth"]
     N, previous = sampling["N0"], 0
-    next_budget(N, False, N_max, growth)  # the params' check, before anything is sent
+    check_rounds(N, N_max, growth)
     work = Path(checkpoint_root) / "adaptive-merged"  # the rounds merged so far and the check's thinned copy
     rounds, merged, S = [], None, None  # S: the merged sample's cost (its prompts' tokens, N, tau)
     shutil.rmtree(work, ignore_errors=True)  # a stopped run's: rebuilt from the round folders

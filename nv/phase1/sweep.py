@@ -1,7 +1,7 @@
 """Budget sweep (§5.2, Fig. val_plot): d_hat at growing budgets of the same prompts (each an exact N-call sample
 thinned from the stored draws, independently of the others: nested in distribution, not draw by draw).
 
-The first N of the N_max calls of every prompt (hypergeometric thinning of the shards on disk, ``thinned_folder``),
+N of the N_max calls of every prompt (hypergeometric thinning of the shards on disk, ``thinned_folder``),
 pruned to the common set and given to every estimator (``estimate_all``: robust and paper on the common set, the
 missing-data one on the frequent tokens' observed entries). Only the columns the estimators read are loaded
 (``common_set_of``), so no budget, the largest included, holds a whole sample (peak memory: README, validation

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import matplotlib.pyplot as plt
 import pandas as pd
 
@@ -16,7 +18,7 @@ def error_vs_budget(table: pd.DataFrame, model: str):
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.2 * len(platforms), 4.6), squeeze=False, sharey=True)
     for ax, platform in zip(axes[0], platforms):
         sub = table[table.platform == platform]
-        for (K, rows), marker in zip(sub.groupby("trials"), "osD^v"):  # K' by marker, the estimate by colour
+        for (K, rows), marker in zip(sub.groupby("trials"), itertools.cycle("osD^v")):  # K' by marker, the estimate by colour
             rows = rows.sort_values("tokens")
             for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
                 ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "-", marker=marker, ms=5, mfc="none", color=color, alpha=0.8)

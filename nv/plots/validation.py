@@ -8,6 +8,8 @@ estimate" band above the axes, never on the 0 % line; the robust estimator's low
 
 from __future__ import annotations
 
+import itertools
+
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
@@ -85,7 +87,7 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
         r = r.sort_values(x)
         ok = r[r[f"{what}_err"].notna()]
         ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
-        for K, marker in zip(sorted(ok.trials.unique()), "osD^v"):  # the cases of one phase-1 budget differ in K'
+        for K, marker in zip(sorted(ok.trials.unique()), itertools.cycle("osD^v")):  # the cases of one phase-1 budget differ in K'
             at = ok[ok.trials == K]
             ax.plot(at[x], 100 * at[f"{what}_err"].abs(), marker, color=colors[model], alpha=0.8, ms=5)
         fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None, colors[model])
@@ -95,7 +97,7 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
             x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
         means = means[means.n == ok.model.nunique()]
         ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget; bar: the mean)")
-    for K, marker in zip(sorted(cases.trials.dropna().unique()), "osD^v"):
+    for K, marker in zip(sorted(cases.trials.dropna().unique()), itertools.cycle("osD^v")):
         ax.plot([], [], marker, color="0.3", label=f"K' = {int(K)} timing trials")
 
 
