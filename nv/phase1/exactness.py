@@ -177,15 +177,14 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     Round r assesses the view of N_r calls of each prompt as the live loop does (``assess``; each round's thinning is
     an exact N_r-call sample, but drawn independently of the other rounds', where the live loop's rounds are nested:
     each round's outcome is distributed as the loop's, their joint law is not), its check the view of those calls
-    thinned to N_r / sqrt(2); both
-    are thinned from disk (``_assess_at``), and views at the same N share the thinning. The rounds are the loop's:
-    growth x up to the first saturated one (``schedule``, capped at the stored N), then as the loop picks them
-    (``after``).
+    thinned to N_r / sqrt(2); both are thinned from disk (``_assess_at``), and views at the same N share the
+    thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule``, capped at the stored
+    N), then as the loop picks them (``after``).
 
     Searched down from the stored N for the first saturated round: the growth rounds are assessed from the top while
     saturated; taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the
-    common set: in expectation, not draw by draw between independent thinnings), the lowest of that saturated run is where the loop first saturates, found without thinning the rounds
-    below it. From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on
+    common set: in expectation, not draw by draw between independent thinnings), the lowest of that saturated run is
+    where the loop first saturates, found without thinning the rounds below it. From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on
     the loop's path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws"
     when its next round is beyond the stored N (the live loop would go on; no round at all when that N < N_0)."""
     N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]

@@ -77,7 +77,8 @@ def block(S: SampledMatrix, frac: float) -> Block:
         M[q, j[j >= 0]] = True
         lo, hi = S.logprobs.indptr[q], S.logprobs.indptr[q + 1]
         j = at[S.logprobs.indices[lo:hi]]
-        X[q, j[j >= 0]] = S.logprobs.data[lo:hi][j >= 0]
+        kept = j >= 0
+        X[q, j[kept]] = S.logprobs.data[lo:hi][kept]
     return Block(X, M, M.mean(axis=0), columns)
 
 
