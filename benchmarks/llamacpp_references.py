@@ -70,8 +70,8 @@ def main() -> int:
             out = outputs / "timing_reference" / name / "llamacpp.json"
             if not out.is_file():
                 timed = reference_model(name, family[name], target, seed)
-                record = time_platform(timed, "llamacpp", cfg, timed.lengths(cfg["r"], timing["n_lengths"]), timing, seed,
-                                       args.work / f"checkpoint-{name}.jsonl")
+                lengths = timed.lengths(cfg["r"], timing["n_lengths"], timing["discard"] + 2)
+                record = time_platform(timed, "llamacpp", cfg, lengths, timing, seed, args.work / f"checkpoint-{name}.jsonl")
                 out.write_text(json.dumps(record))
         print("each model's own k_i = gamma(llamacpp) / gamma(inprocess):")
         folders = {name: outputs / "timing_reference" / name for name in cfg["references"] + extra}

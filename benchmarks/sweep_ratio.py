@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def kept_lengths(model: TimedModel, r: float, args, timing: dict) -> np.ndarray:
     """The lengths ``model`` is timed at: its sweep's kept ones at ratio ``r`` (all with --all-lengths)."""
-    return np.sort(model.lengths(r, timing["n_lengths"]))[0 if args.all_lengths else timing["discard"]:]
+    return np.sort(model.lengths(r, timing["n_lengths"], timing["discard"] + 2))[0 if args.all_lengths else timing["discard"]:]
 
 
 def inprocess_cfg(r: float, args, timing: dict) -> dict:

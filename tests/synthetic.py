@@ -20,11 +20,14 @@ class LowRankOracle(Oracle):
         self.W = np.random.default_rng(0).normal(scale=scale, size=(vocab, rank))
         self.sample_calls = 0
 
+    def _logp(self, prompt: str, temperature: float) -> np.ndarray:
+        z = self.W @ np.random.default_rng(list(prompt.encode())).normal(size=self.rank) / temperature
+        return z - np.logaddexp.reduce(z)
+
     def sample(self, prompts, n, temperature, seeds):
         out = []
         for prompt, seed in zip(prompts, seeds):
-            z = self.W @ np.random.default_rng(list(prompt.encode())).normal(size=self.rank) / temperature
-            logp = z - np.logaddexp.reduce(z)
+            logp = self._logp(prompt, temperature)
             counts = multinomial_counts(np.random.default_rng(seed), n, np.exp(logp))
             ids = np.flatnonzero(counts)
             out.append(Samples(ids, logp[ids].astype(np.float32), counts[ids], prompt_tokens=5))
@@ -33,10 +36,16 @@ class LowRankOracle(Oracle):
         return out
 
     def argmax(self, prompts):
-        raise NotImplementedError("the toy LM only samples")
+        out = []
+        for prompt in prompts:
+            logp = self._logp(prompt, 1.0)
+            top = np.array([np.argmax(logp)])
+            out.append(Samples(top, logp[top].astype(np.float32), np.ones(1, dtype=np.int64), prompt_tokens=5))
+            self.cost.charge(5, 1)
+        return out
 
     def time_request(self, prompt):
-        raise NotImplementedError("the toy LM only samples")
+        raise NotImplementedError("the toy LM does not time")
 
 
 def incomplete_logprobs(D: int = 400, V: int = 3000, rank: int = 60, tau: float = 2.0, decay: float = 30.0,

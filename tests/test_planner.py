@@ -16,7 +16,7 @@ from nv.phase1 import sampling
 from nv.phase1.adaptive import sample_adaptive, schedule
 from nv.phase1.exactness import first
 from nv.phase1.planner import check, disk_bytes, fit, miss_probability, pilot_of, summarise
-from nv.phase1.sampling import ENTRY_BYTES, collect, load_samples, sample_budget
+from nv.phase1.sampling import collect, load_samples, sample_budget
 from synthetic import LowRankOracle
 
 
@@ -85,7 +85,6 @@ def test_the_pilot_predicts_the_size_of_the_sample(toy):
     assert row["predicted_distinct"] == model.expected_distinct(2_000)
     stored = sum(f.stat().st_size for f in folder.iterdir())
     assert disk_bytes(model, S.D, [S.N])["sample"] == pytest.approx(stored, rel=0.05)
-    assert disk_bytes(model, S.D, [S.N])["sample"] == S.D * ENTRY_BYTES * model.expected_distinct(S.N)
     # the adaptive loop keeps every round's draws beside the merged sample, and a check's copy while it runs
     loop = disk_bytes(model, S.D, [5_000, 10_000, 20_000], adaptive=True)
     assert loop["sample"] == disk_bytes(model, S.D, [S.N])["sample"] and loop["peak"] > 2.5 * loop["sample"]
@@ -170,3 +169,26 @@ def test_the_summary_row_sets_each_stop_against_the_planned_N(toy):
     assert np.isnan(row["adaptive_stop_over_N_for_d"])
     unreachable = summarise("toy", 301, S.budget(), pilot, tail, stop_N=20_000, adaptive_stop_N=20_000)  # > |V|
     assert np.isnan(unreachable["N_for_d"]) and np.isnan(unreachable["tokens_for_d"]) and np.isnan(unreachable["stop_over_N_for_d"])
+
+
+def test_a_pilot_whose_draws_do_not_follow_its_log_probs_is_refused(lm32, tmp_path):
+    """The planner's model reads a drawn token's log-prob as its sampling probability. Raw log-probs at tau = 2
+    (log_softmax(z): llama.cpp, vLLM's default) break that: the real model's pilot, simulated in both modes, is fitted
+    where the log-probs are processed (its frequent entries drawn ~1x as often as e^y says) and refused, one line,
+    where they are raw."""
+    from nv.oracle import Simulator
+    from nv.phase1.planner import AGREEMENT, draws_over_expected
+    from nv.phase1.search import random_prompts
+
+    prompts = random_prompts(np.random.default_rng(0), 60)
+    pilots = {}
+    for mode in ("processed", "raw"):
+        folder = collect(Simulator(lm32, logprobs=mode, batch_size=60), prompts, 10_000, 2.0, 0, tmp_path / mode,
+                         49152, tmp_path / f"ck-{mode}", {"mode": mode}, 60, False)
+        pilots[mode] = load_samples(folder)
+    processed, n = draws_over_expected(pilots["processed"])
+    assert n >= 20 and 0.95 < processed < 1.05 and fit(pilots["processed"]).m.size > 0
+    raw, n = draws_over_expected(pilots["raw"])
+    assert n >= 20 and not AGREEMENT[0] <= raw <= AGREEMENT[1], raw
+    with pytest.raises(NVError, match=r"^the pilot's draws do not follow its log-probs \(0\.\d\dx the draws e\^y predicts"):
+        fit(pilots["raw"])

@@ -16,7 +16,8 @@ from nv.phase1.pipeline import common_set, common_set_of
 from nv.phase1.prune import greedy_prune
 from nv.phase1.sampling import (SampledMatrix, collect, head, iter_shards, load_samples, observed_mask, sample_budget,
                                save_samples, thin)
-from nv.phase1.search import ALPHABETS, search_prompts
+from nv.phase1.search import ALPHABETS, GROUPS, search_prompts
+from synthetic import LowRankOracle
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,18 @@ def test_search_keeps_the_lowest_argmax_prompts_and_charges_every_call(sim):
 def test_search_stops_exploring_below_the_threshold(sim):
     res = search_prompts(sim, D=10, rounds=3, batch_size=20, explore_rounds=3, threshold=0.99, seed=1, progress=False)
     assert res.rounds_explored == 1
+
+
+def test_refinement_passes_a_spent_character_group_on_to_the_next():
+    """One-character prompts (on the toy LM: the search's bookkeeping, not the model, is under test): a refinement
+    round of 480 asks 30 variants of each of the 16 groups, more than Hebrew's 27 letters; the search moves on to the
+    other groups and fills the round (it stalled on Hebrew's turn until its tries ran out: 99 of the 480)."""
+    res = search_prompts(LowRankOracle(), D=10, rounds=2, batch_size=480, explore_rounds=1, threshold=1e-9, seed=0, length=1,
+                         progress=False)
+    refined = res.prompts[480:]
+    assert len(refined) == 480 and len(set(res.prompts)) == 960
+    hebrew = set(map(chr, ALPHABETS[list(GROUPS).index("hebrew")]))
+    assert sum(p in hebrew for p in refined) <= 27 and {p for p in refined if p in hebrew} <= hebrew
 
 
 def test_search_refuses_impossible_sizes(sim):

@@ -106,10 +106,35 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int], adaptive: bool = Fa
     return {"sample": sample, "peak": own + sample + max(before, check)}
 
 
+FREQUENT = 30.0  # expected draws N_0 e^y of an entry that ``draws_over_expected`` compares
+AGREEMENT = (0.8, 1.25)  # observed / expected draws of those entries for a pilot the model describes
+
+
+def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
+    """The model's premise, checked on the pilot: its draws follow its log-probs, p = e^y. Over the entries expected
+    ``FREQUENT`` times or more (N_0 e^y >= 30; all but surely drawn, so the selection does not depend on the counts),
+    sum of counts / sum of N_0 e^y, ~1 (within a few %) where it holds, and their number. It does not hold for raw
+    log-probs at tau != 1 (log_softmax(z), llama.cpp and vLLM's default, while the draws follow softmax(z / tau)) nor
+    for counts that are top-k reveals (``live.top_logprobs`` > 0)."""
+    counts, logp = pilot.counts.tocoo(), pilot.logprobs.tocsr()
+    y = np.asarray(logp[counts.row, counts.col], dtype=np.float64).ravel()
+    expected = pilot.N * np.exp(np.where(np.isfinite(y), y, -np.inf))
+    frequent = expected >= FREQUENT
+    n = int(np.count_nonzero(frequent))
+    return (float(counts.data[frequent].sum() / expected[frequent].sum()) if n else np.nan), n
+
+
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
-    """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring)."""
+    """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring); refused where the
+    pilot's draws do not follow its log-probs (``draws_over_expected`` outside ``AGREEMENT`` over 20 entries or more)."""
     if pilot.D < 2 * min_seen:
         raise NVError(f"a pilot of {pilot.D} prompts is too small to fit the tail: use at least {2 * min_seen}")
+    ratio, n = draws_over_expected(pilot)
+    if n >= 20 and not AGREEMENT[0] <= ratio <= AGREEMENT[1]:
+        raise NVError(f"the pilot's draws do not follow its log-probs ({ratio:.2f}x the draws e^y predicts over its {n} "
+                      "most frequent entries): raw log-probs at tau != 1 (llama.cpp; vLLM without --logprobs-mode "
+                      "processed_logprobs) or live.top_logprobs > 0; the planner needs a pilot whose log-probs are its "
+                      "sampling distribution's, log_softmax(z / tau), one token per call")
     counts = pilot.counts.tocsc()
     logp = pilot.logprobs.tocsc()
     k = np.diff(counts.indptr)

@@ -83,11 +83,13 @@ class SearchResult:
 
 
 def _unique_batch(make: Callable[[int], str], size: int, seen: set[str], max_tries: int) -> list[str]:
-    """Up to ``size`` strings from ``make(i)`` never evaluated before (bounded retries)."""
+    """Up to ``size`` strings from ``make(t)``, t the try's number, never evaluated before (bounded retries). A
+    refinement's ``make`` picks the character group by t, so a group whose variants are all spent passes the turn to
+    the next one (by the batch's length, it held the batch there until ``max_tries``: every later group's share lost)."""
     batch: list[str] = []
     tries = 0
     while len(batch) < size and tries < max_tries:
-        candidate = make(len(batch))
+        candidate = make(tries)
         tries += 1
         if candidate not in seen:
             seen.add(candidate)
@@ -129,7 +131,7 @@ def search_prompts(
             batch += _unique_batch(lambda i: random_prompts(rng, 1, length)[0], batch_size - len(batch), seen, max_tries)
             explored += 1
         else:
-            batch = _unique_batch(lambda i: mutate(rng, best, i % len(ALPHABETS)), batch_size, seen, max_tries)
+            batch = _unique_batch(lambda t: mutate(rng, best, t % len(ALPHABETS)), batch_size, seen, max_tries)
         if not batch:
             break
         # a withheld argmax log-prob (NaN: under a provider's min_logprob floor) is below every value returned: the

@@ -12,8 +12,8 @@ intercept), and in every run the README records the in-process references' media
 the lower (4-16 % against 17-41 %). An estimator "gives a depth" when its fit puts L_hat at least two standard
 errors above 0 (``significant``). P_ne_hat follows from each depth by the prefill curve (``nv.phase2.prefill``).
 
-Intervals: each estimator's split-conformal interval x exp(+-q), q the largest leave-one-out |log(x / truth)| of
-the n references it gives a depth (``conformal``; level n / (n + 1) for a target exchangeable with them that it
+Intervals: each estimator's jackknife interval x exp(+-q), q the largest leave-one-out |log(x / truth)| of the n
+references it gives a depth (``conformal``; nominal level n / (n + 1) for a target exchangeable with them that it
 also gives one: the attacker sees whether it does). A target of another
 family moves the two estimators apart, so the headline interval is the ``hull`` of both estimators' intervals, and
 the rule's estimator's alone is kept beside it (``_rule``). ``estimates`` applies both to arrays of cases (the
@@ -36,9 +36,12 @@ MIN_T = 2.0  # a depth fit under two of its standard errors above 0 is none (``s
 
 def conformal(estimates: np.ndarray, truths: np.ndarray) -> float:
     """The largest leave-one-out |log(estimate / truth)| of the n calibration models the estimator gives a positive
-    estimate: an interval of this half-width covers a new exchangeable model that it also gives one with probability
-    n / (n + 1) (split conformal, conditioned on what the attacker sees of the target: its own fit succeeded; 86-88 %
-    for 6-7 models, the closest this family size comes to 90 %). Infinite with fewer than 2 such models. Counting a
+    estimate: the half-width of a jackknife interval around the target's estimate from all n (conditioned on what the
+    attacker sees of the target: its own fit succeeded). Its nominal level, n / (n + 1) (86-88 % for 6-7 models, the
+    closest this family size comes to 90 %), is split conformal's, which holds here only as far as leaving one
+    reference out barely moves the fit: the target is fitted on all n, its residuals on n - 1 (the guaranteed level of
+    the jackknife+, which refits the target without each reference, is (n - 1) / (n + 1), 71-75 %); the validation
+    measures the coverage itself. Infinite with fewer than 2 such models. Counting a
     model without a fit as an infinite residual instead made every interval of that estimator unbounded whenever one
     reference failed (the smallest, whose prefill times fall below the others' intercept alpha: README, "Validation
     across models")."""

@@ -43,9 +43,9 @@ class TimedModel:
     gguf: Path | None = None  # the file a llama.cpp server serves
     synthetic: bool = False  # random weights, written as GGUF on demand
 
-    def lengths(self, r: float, n: int) -> np.ndarray:
-        """App. D sweep with the platform's crossover ratio r (Eq. 11)."""
-        return sweep_lengths(self.d_used, self.d_kv_used, self.d_ffn_used, self.p_max, r, n)
+    def lengths(self, r: float, n: int, fit: int = 2) -> np.ndarray:
+        """App. D sweep with the platform's crossover ratio r (Eq. 11), at least ``fit`` lengths (``sweep_lengths``)."""
+        return sweep_lengths(self.d_used, self.d_kv_used, self.d_ffn_used, self.p_max, r, n, fit)
 
     def facts(self) -> dict:
         a = self.lm.arch
@@ -171,8 +171,8 @@ def time_model(model: TimedModel, timing: dict, seed: int, out_dir: Path, checkp
     for platform in platforms_of(model, timing):
         cfg = timing["platforms"][platform]
         checkpoint = checkpoints / f"timing-{model.name}-{platform}.jsonl"
-        record = time_platform(model, platform, cfg, model.lengths(cfg["r"], timing["n_lengths"]), timing, seed, checkpoint,
-                               progress)
+        lengths = model.lengths(cfg["r"], timing["n_lengths"], timing["discard"] + 2)
+        record = time_platform(model, platform, cfg, lengths, timing, seed, checkpoint, progress)
         (out_dir / f"{platform}.json").write_text(json.dumps(record, indent=1))
         checkpoint.unlink()
         results[platform] = record
