@@ -93,7 +93,11 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
                           f"{sampling['temperature']:g}: a pilot predicts only its own temperature")
         # the pilot's replies measured the prompt tokens per call (system prompt, template, input) on its endpoint
         params = {**params, "live": {**params["live"], "prompt_tokens": max(1, round(float(drawn.prompt_tokens.mean())))}}
-        source = pilot_source(read_json(pilot / MANIFEST).get("model"), params["live"], target)
+        drawn_by = read_json(pilot / MANIFEST).get("model")
+        if isinstance(drawn_by, dict) and drawn_by.get("top_logprobs"):
+            raise NVError(f"the pilot in {pilot} was drawn with live.top_logprobs = {drawn_by['top_logprobs']}: its counts are "
+                          "top-k reveals, not draws; the planner needs a pilot drawn with live.top_logprobs: 0")
+        source = pilot_source(drawn_by, params["live"], target)
     adaptive = sampling["N"] == "auto"
     rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
     N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
@@ -119,7 +123,7 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
 
         tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
-        out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0, **source,
+        out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0, "logprobs": tail.logprobs, **source,
                         "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n))
                                        | {"disk": disk_bytes(tail, search["D"], [math.ceil(n)])["sample"]}
                                        for size, n in needed.items()},
@@ -271,6 +275,9 @@ def _format_pilot(p: dict, money_given: bool) -> str:
     lines = [f"\n  planner (pilot)   from {pilot['D0']:,} prompts x {pilot['N0']:,} calls in {pilot['folder']} (drawn from "
              f"{pilot['source']}): the N at which all D = {p['D']:,} prompts are expected to share |C| tokens (Theorem 1's "
              "mean, fitted tail)"]
+    if pilot["logprobs"] == "raw":
+        lines.append("                    NOTE: the pilot's log-probs are raw, log_softmax(z) (its draws do not follow them): "
+                     "turned into its draws' log_softmax(z / tau) by each prompt's counts (README, planner)")
     if pilot["elsewhere"]:
         lines.append(f"                    NOTE: the pilot was drawn from {pilot['elsewhere']}, which may not be this plan's "
                      "target: its prompt tokens per call and its tail are that target's")

@@ -171,24 +171,53 @@ def test_the_summary_row_sets_each_stop_against_the_planned_N(toy):
     assert np.isnan(unreachable["N_for_d"]) and np.isnan(unreachable["tokens_for_d"]) and np.isnan(unreachable["stop_over_N_for_d"])
 
 
-def test_a_pilot_whose_draws_do_not_follow_its_log_probs_is_refused(lm32, tmp_path):
+def test_a_pilot_of_raw_log_probs_is_converted_and_one_of_reveals_refused(lm32, root, tmp_path):
     """The planner's model reads a drawn token's log-prob as its sampling probability. Raw log-probs at tau = 2
-    (log_softmax(z): llama.cpp, vLLM's default) break that: the real model's pilot, simulated in both modes, is fitted
-    where the log-probs are processed (its frequent entries drawn ~1x as often as e^y says) and refused, one line,
-    where they are raw."""
+    (log_softmax(z): llama.cpp, vLLM's default) break that: the real model's pilot, simulated in both modes (the same
+    draws), is fitted as it is where the log-probs are processed (its frequent entries drawn ~1x as often as e^y
+    says, ~0.17x where raw), and where raw is turned into log_softmax(z / tau) by each prompt's counts, within 0.03 of
+    the processed values, the plan within 1 % of theirs. Counts that are not draws (here doubled, as top-k reveals
+    would add) fit neither and are refused; a live pilot drawn with live.top_logprobs > 0 is refused by its
+    manifest."""
+    import json
+    import shutil
+
+    from nv.live import plan
     from nv.oracle import Simulator
-    from nv.phase1.planner import AGREEMENT, draws_over_expected
+    from nv.oracle.http import Budget
+    from nv.params import load_params
+    from nv.phase1.planner import AGREEMENT, as_processed, draws_over_expected
+    from nv.phase1.sampling import MANIFEST, SampledMatrix
     from nv.phase1.search import random_prompts
 
     prompts = random_prompts(np.random.default_rng(0), 60)
-    pilots = {}
+    live = {"endpoint": "http://127.0.0.1:9/v1", "model": "m", "chat": True, "top_logprobs": 0}
+    folders, pilots = {}, {}
     for mode in ("processed", "raw"):
-        folder = collect(Simulator(lm32, logprobs=mode, batch_size=60), prompts, 10_000, 2.0, 0, tmp_path / mode,
-                         49152, tmp_path / f"ck-{mode}", {"mode": mode}, 60, False)
-        pilots[mode] = load_samples(folder)
-    processed, n = draws_over_expected(pilots["processed"])
-    assert n >= 20 and 0.95 < processed < 1.05 and fit(pilots["processed"]).m.size > 0
-    raw, n = draws_over_expected(pilots["raw"])
-    assert n >= 20 and not AGREEMENT[0] <= raw <= AGREEMENT[1], raw
-    with pytest.raises(NVError, match=r"^the pilot's draws do not follow its log-probs \(0\.\d\dx the draws e\^y predicts"):
-        fit(pilots["raw"])
+        folders[mode] = collect(Simulator(lm32, logprobs=mode, batch_size=60), prompts, 10_000, 2.0, 0, tmp_path / mode,
+                                49152, tmp_path / f"ck-{mode}", {"model": live | {"mode": mode}}, 60, False)
+        pilots[mode] = load_samples(folders[mode])
+    processed, raw = pilots["processed"], pilots["raw"]
+    assert (processed.counts != raw.counts).nnz == 0  # the same draws
+    ratio, n = draws_over_expected(processed)
+    assert n >= 20 and 0.95 < ratio < 1.05
+    ratio, n = draws_over_expected(raw)
+    assert n >= 20 and ratio < 0.5 * AGREEMENT[0], ratio
+    converted = as_processed(raw)
+    assert converted.D == 60 and np.abs((converted.logprobs - processed.logprobs).tocsr().data).max() < 0.03
+    as_is, from_raw = fit(processed), fit(raw)
+    assert (as_is.logprobs, from_raw.logprobs) == ("processed", "raw")
+    for size in (64, 256, 576):
+        assert from_raw.samples_for(size, 3000) == pytest.approx(as_is.samples_for(size, 3000), rel=0.01)
+    doubled = SampledMatrix(processed.logprobs, processed.counts * 2, processed.prompt_tokens, processed.N, 2.0)
+    with pytest.raises(NVError, match=r"^the pilot's draws follow neither its log-probs \(2\.0\dx the draws e\^y predicts"):
+        fit(doubled)
+    params = load_params(root / "params.yaml", ["model", "search", "sampling", "spectrum", "live", "planner"])
+    params["sampling"] |= {"N": 10_000, "temperature": 2.0}
+    assert plan(params, Budget(), folders["raw"])["pilot"]["logprobs"] == "raw"
+    reveals = tmp_path / "reveals"
+    shutil.copytree(folders["raw"], reveals)
+    manifest = json.loads((reveals / MANIFEST).read_text())
+    (reveals / MANIFEST).write_text(json.dumps(manifest | {"model": manifest["model"] | {"top_logprobs": 2}}))
+    with pytest.raises(NVError, match=r"drawn with live.top_logprobs = 2: its counts are top-k reveals, not draws"):
+        plan(params, Budget(), reveals)

@@ -15,6 +15,9 @@ x ~ Normal(m, s^2): the observed values' density times the probability of missin
 It is maximised on a grid of (m, s), from the sufficient statistics k_i, sum y, sum y^2 of each token. Prompts are
 independent, so mu(N) over D prompts is sum_i (1 - I(m_i, s_i; N))^D. Tokens the pilot saw in fewer than
 ``min_seen`` prompts are left out (a lower bound on mu, tight where they are too rare to matter).
+
+y is the log-prob of the distribution sampled, log_softmax(z / tau); a pilot of raw log-probs, log_softmax(z) at tau
+!= 1 (llama.cpp, vLLM's default), is told apart by its draws and converted first (``fit``, ``as_processed``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class TokenModel:
     D0: int
     N0: int
     tokens_left_out: int
+    logprobs: str = "processed"  # the pilot's log-probs as served: its draws' own, or raw ones converted (``fit``)
 
     def expected_common(self, N: float | np.ndarray, D: int) -> np.ndarray:
         """mu(N) for D fresh prompts like the pilot's: sum_i (1 - I(m_i, s_i; N))^D."""
@@ -108,6 +112,7 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int], adaptive: bool = Fa
 
 FREQUENT = 30.0  # expected draws N_0 e^y of an entry that ``draws_over_expected`` compares
 AGREEMENT = (0.8, 1.25)  # observed / expected draws of those entries for a pilot the model describes
+LOGPROB_MODES = ("processed", "raw")
 
 
 def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
@@ -124,17 +129,62 @@ def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
     return (float(counts.data[frequent].sum() / expected[frequent].sum()) if n else np.nan), n
 
 
+def _agrees(pilot: SampledMatrix) -> tuple[bool, float, int]:
+    ratio, n = draws_over_expected(pilot)
+    return n < 20 or AGREEMENT[0] <= ratio <= AGREEMENT[1], ratio, n
+
+
+def log_normaliser(y_tau: np.ndarray, counts: np.ndarray, N: int) -> float:
+    """log Z_tau of one prompt from its drawn entries' raw log-probs scaled by the temperature, y_tau = y / tau, and
+    counts: the root of sum_i E[c_i | c_i >= 1] = sum_i c_i with p_i = exp(y_tau_i - log Z) and E[c | c >= 1] =
+    N p / (1 - (1 - p)^N), the count of a token given that it was drawn (every drawn entry counts, the rare ones
+    too, without the bias of taking them as if they had not been selected by being drawn). +inf where every entry was
+    drawn once (no root: nothing fixes Z)."""
+    y_tau, c = np.asarray(y_tau, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+
+    def excess(log_Z: float) -> float:
+        p = np.exp(np.minimum(y_tau - log_Z, -1e-12))
+        return float(np.sum(N * p / -np.expm1(N * np.log1p(-p))) - c.sum())
+
+    top = float(y_tau.max())
+    if excess(top + 60.0) >= 0:
+        return np.inf
+    return optimize.brentq(excess, top, top + 60.0, xtol=1e-6)
+
+
+def as_processed(pilot: SampledMatrix) -> SampledMatrix:
+    """The pilot's raw log-probs y = log_softmax(z) turned into its draws' log_softmax(z / tau) = y / tau - log Z_tau,
+    Z_tau per prompt from its counts (``log_normaliser``); a prompt whose Z is not fixed (every token drawn once) is
+    left out."""
+    logp, counts = pilot.logprobs.tocsr(), pilot.counts.tocsr()
+    data = logp.data.astype(np.float64) / pilot.temperature
+    log_Z = np.full(pilot.D, np.inf)
+    for q in range(pilot.D):
+        row = slice(logp.indptr[q], logp.indptr[q + 1])
+        if row.stop > row.start:
+            log_Z[q] = log_normaliser(data[row], counts.data[row], pilot.N)
+            data[row] -= log_Z[q]
+    converted = sp.csr_matrix((data.astype(logp.dtype), logp.indices, logp.indptr), shape=logp.shape)
+    rows = np.flatnonzero(np.isfinite(log_Z))
+    return SampledMatrix(converted[rows], counts[rows], pilot.prompt_tokens[rows], pilot.N, pilot.temperature)
+
+
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
-    """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring); refused where the
-    pilot's draws do not follow its log-probs (``draws_over_expected`` outside ``AGREEMENT`` over 20 entries or more)."""
+    """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring). The pilot's
+    log-probs are taken as its draws' (``processed``) where its frequent entries were drawn as often as they say
+    (``draws_over_expected`` within ``AGREEMENT``), else as raw log_softmax(z) and converted (``as_processed``), and
+    refused where neither holds."""
     if pilot.D < 2 * min_seen:
         raise NVError(f"a pilot of {pilot.D} prompts is too small to fit the tail: use at least {2 * min_seen}")
-    ratio, n = draws_over_expected(pilot)
-    if n >= 20 and not AGREEMENT[0] <= ratio <= AGREEMENT[1]:
-        raise NVError(f"the pilot's draws do not follow its log-probs ({ratio:.2f}x the draws e^y predicts over its {n} "
-                      "most frequent entries): raw log-probs at tau != 1 (llama.cpp; vLLM without --logprobs-mode "
-                      "processed_logprobs) or live.top_logprobs > 0; the planner needs a pilot whose log-probs are its "
-                      "sampling distribution's, log_softmax(z / tau), one token per call")
+    mode = "processed"
+    agrees, ratio, n = _agrees(pilot)
+    if not agrees:
+        converted = as_processed(pilot)
+        if not _agrees(converted)[0]:
+            raise NVError(f"the pilot's draws follow neither its log-probs ({ratio:.2f}x the draws e^y predicts over its "
+                          f"{n} most frequent entries) nor raw log-probs at tau = {pilot.temperature:g}: the planner needs "
+                          "a pilot of one sampled token and its log-prob per call")
+        pilot, mode = converted, "raw"
     counts = pilot.counts.tocsc()
     logp = pilot.logprobs.tocsc()
     k = np.diff(counts.indptr)
@@ -159,7 +209,7 @@ def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
         better = ll[np.arange(keep.size), arg] > best_ll
         best_ll[better] = ll[np.arange(keep.size), arg][better]
         best[better] = j0 + arg[better]
-    return TokenModel(m[best], s[best], keep, pilot.D, pilot.N, int(np.count_nonzero((k > 0) & (k < min_seen))))
+    return TokenModel(m[best], s[best], keep, pilot.D, pilot.N, int(np.count_nonzero((k > 0) & (k < min_seen))), mode)
 
 
 def pilot_of(folder: str | Path, prompts: int, N: int, seed: int) -> SampledMatrix:
