@@ -139,8 +139,12 @@ def log_normaliser(y_tau: np.ndarray, counts: np.ndarray, N: int) -> float:
     counts: the root of sum_i E[c_i | c_i >= 1] = sum_i c_i with p_i = exp(y_tau_i - log Z) and E[c | c >= 1] =
     N p / (1 - (1 - p)^N), the count of a token given that it was drawn (every drawn entry counts, the rare ones
     too, without the bias of taking them as if they had not been selected by being drawn). +inf where every entry was
-    drawn once (no root: nothing fixes Z)."""
+    drawn once (no root: nothing fixes Z). A withheld log-prob (NaN) takes no part."""
     y_tau, c = np.asarray(y_tau, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    shown = np.isfinite(y_tau)
+    y_tau, c = y_tau[shown], c[shown]
+    if not shown.any():
+        return np.inf
 
     def excess(log_Z: float) -> float:
         p = np.exp(np.minimum(y_tau - log_Z, -1e-12))
@@ -161,9 +165,8 @@ def as_processed(pilot: SampledMatrix) -> SampledMatrix:
     log_Z = np.full(pilot.D, np.inf)
     for q in range(pilot.D):
         row = slice(logp.indptr[q], logp.indptr[q + 1])
-        if row.stop > row.start:
-            log_Z[q] = log_normaliser(data[row], counts.data[row], pilot.N)
-            data[row] -= log_Z[q]
+        log_Z[q] = log_normaliser(data[row], counts.data[row], pilot.N)
+        data[row] -= log_Z[q]
     converted = sp.csr_matrix((data.astype(logp.dtype), logp.indices, logp.indptr), shape=logp.shape)
     rows = np.flatnonzero(np.isfinite(log_Z))
     return SampledMatrix(converted[rows], counts[rows], pilot.prompt_tokens[rows], pilot.N, pilot.temperature)
