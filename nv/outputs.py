@@ -18,8 +18,8 @@ FOREACH = ("timing_reference", "validation_phase1", "validation_timing")  # stag
 def _rerun(path: Path, stage: str | None) -> str:
     """What to do: rerun the stage that wrote ``path`` (``stage``, or read off ``outputs/STAGE[/ITEM]/...``)."""
     parts = path.parts
-    if stage is None and "outputs" in parts[:-1]:
-        i = parts.index("outputs")
+    if stage is None and "outputs" in parts[:-2]:  # outputs/STAGE/.../file
+        i = len(parts) - 3 - parts[-3::-1].index("outputs")  # the last: a checkout may sit under a folder so named
         stage = parts[i + 1]
         if stage in FOREACH and len(parts) > i + 3:
             stage = f"{stage}@{parts[i + 2]}"

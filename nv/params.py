@@ -10,7 +10,7 @@ import json
 import math
 import re
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import yaml
@@ -102,7 +102,7 @@ _SHAPE = {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_IN
 # the timing protocol (§4.2, App. D): one platform's settings, and the rest of params.yaml's timing section; a
 # calibration file copies r, trials and the rest (``check_timing_protocol``)
 _PLATFORM = {"r": _POS_NUM, "trials": (int, lambda v: v >= 2, ">= 2"), "threads": _POS_INT,
-             "references": ((str, list), lambda v: v == "all" or (len(v) > 0 and all(isinstance(x, str) for x in v)),
+             "references": ((str, list), lambda v: v == "all" or (isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) for x in v)),
                             "'all' or a non-empty list of timing_family names")}
 _PROTOCOL = {"warmups": (int, lambda v: v >= 2, ">= 2 (two calibrate the prompt length)"), "trim": _FRACTION,
              "n_lengths": (int, lambda v: v >= 2, ">= 2"), "discard": _NONNEG_INT, "kv_ratio": _POS_NUM, "ffn_ratio": _POS_NUM}
@@ -243,7 +243,7 @@ SCHEMA: dict[str, dict] = {
     },
     # a random-weight shape (CPU default; heads of 64 unless it sets head_dim), or {spec: a hub id / folder / .gguf}
     # of a real model (GPU profile)
-    "timing_family": EachOf(_SHAPE, {"spec": _STR}, {**_SHAPE, "head_dim": _POS_INT}),
+    "timing_family": StageItems(_SHAPE, {"spec": _STR}, {**_SHAPE, "head_dim": _POS_INT}),
 }
 
 
@@ -349,12 +349,18 @@ def _type_name(types) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently). A merge
+    key's (``<<: *anchor``) entries are not the mapping's own: a key of the mapping overrides them, as YAML says."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(None, None, f"a mapping key must be a scalar, got "
+                                                        f"{type(key).__name__}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
             seen.add(key)
@@ -403,8 +409,9 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
 
 
 def _check_links(params: dict) -> None:
-    """Names one section takes from another, where both were loaded: a validation model's platforms are timing
-    platforms, a platform's listed references are members of the timing family."""
+    """Names and sizes one section takes from another, where both were loaded: a validation model's platforms are
+    timing platforms, overall.trials' budgets are timed (by some platform, each validation model by one at least) and
+    keep two trials under the trim, a platform's listed references are members of the timing family."""
     platforms = params.get("timing", {}).get("platforms")
     if platforms is None:
         return
@@ -413,6 +420,16 @@ def _check_links(params: dict) -> None:
         if missing:
             raise NVError(f"params: 'validation.models.{name}.platforms' names '{missing[0]}', which is not in "
                           f"timing.platforms ({', '.join(platforms)})")
+    trials = params.get("overall", {}).get("trials")
+    for K in trials or ():
+        _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
+        if K > max(cfg["trials"] for cfg in platforms.values()):
+            raise NVError(f"params: 'overall.trials' names {K}, more than any timing platform's trials "
+                          f"({', '.join(str(cfg['trials']) for cfg in platforms.values())}): no model is timed that often")
+    for name, model in params.get("validation", {}).get("models", {}).items() if trials else ():
+        if model["trials"] < min(trials):
+            raise NVError(f"params: 'validation.models.{name}.trials' = {model['trials']} is below every overall.trials "
+                          f"budget ({', '.join(map(str, trials))}): the model would be left out of the validation")
     family = params.get("timing_family")
     for name, cfg in platforms.items() if family is not None else ():
         missing = [] if cfg["references"] == "all" else [r for r in cfg["references"] if r not in family]

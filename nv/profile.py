@@ -2,9 +2,9 @@
 
 ``python -m nv.profile apply profiles/paper.yaml [--params params.yaml]`` (what ``make repro PROFILE=paper``
 runs) merges the overrides into params.yaml in place, keeping its comments and layout (ruamel round trip).
-A mapping merges key by key, a list or a scalar replaces the value, and a collection of named entries
-(``timing_family``, ``timing.platforms``, ``validation.models``: ``EachOf`` in ``nv.params.SCHEMA``) is replaced
-whole, so a profile can name a different reference family. Every other key of the profile must already exist in params.yaml;
+A section merges key by key, a list or a scalar replaces the value, and so does a mapping that is one value
+(``live.extra_body``, ``defences.knobs``) or a collection of named entries (``timing_family``, ``timing.platforms``,
+``validation.models``: ``EachOf`` in ``nv.params.SCHEMA``), so a profile can name a different reference family. Every other key of the profile must already exist in params.yaml;
 the result is validated with ``nv.params.load_params`` before params.yaml is replaced.
 """
 
@@ -49,13 +49,13 @@ def merge(base: dict, over: dict, schema, path: str = "") -> list[str]:
             raise NVError(f"unknown key '{name}' (known: {', '.join(map(str, base))})")
         rule = schema.get(key) if isinstance(schema, dict) else None
         if isinstance(value, dict) and isinstance(base[key], dict):
-            if isinstance(rule, EachOf):  # a collection of named entries: replaced whole
+            if isinstance(rule, dict) and not isinstance(rule, EachOf):  # a section: key by key
+                changed += merge(base[key], value, rule, name)
+            else:  # a collection of named entries, or a mapping that is one value (live.extra_body): replaced whole
                 if dict(base[key]) != dict(value):
                     changed.append(name)
                 base[key].clear()
                 base[key].update(value)
-            else:
-                changed += merge(base[key], value, rule, name)
             continue
         if base[key] != value:
             changed.append(name)

@@ -77,6 +77,20 @@ def test_the_readme_tables_of_the_committed_run_are_what_metrics_holds(tmp_path)
     assert records.main(["--readme", str(stale), "--metrics", str(ROOT / "metrics"), "--check"]) == 2
 
 
+def test_an_unbounded_interval_or_a_missing_p_hat_renders(tmp_path):
+    """An interval with fewer than two references with a fit is stored with a null end, and a depth without an
+    attacker-side P_hat with a null P_hat: the validation table says inf and "no estimate" (it was a TypeError)."""
+    import json
+
+    metrics = json.loads((ROOT / "metrics" / "validation.json").read_text())
+    entry = metrics["models"][0]
+    assert entry["L_hat"] is not None
+    entry.update(L_hi=None, L_hi_rule=None, P_hat=None)
+    rendered = records.validation(metrics)
+    row = next(line for line in rendered.splitlines() if records.label(entry["model"]) in line)
+    assert f"{entry['L_lo']:.1f}, inf]" in row and "no estimate" in row
+
+
 def test_a_relative_error_is_rounded_once():
     """+15.48 % reads +15 %, not +16 % by way of 15.5; under 10 % one decimal, 9.96 % reads +10 %."""
     assert records.pct(570.47, 494.0) == "+15 %"

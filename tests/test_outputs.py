@@ -24,6 +24,11 @@ def test_json_and_npz_round_trip_and_each_failure_names_the_file_and_its_stage(t
         read_json(record)
     with pytest.raises(NVError, match=r"missing .*outputs/pruning/budget.json: rerun `dvc repro pruning`"):
         read_json(tmp_path / "outputs" / "pruning" / "budget.json")
+    # a checkout under a folder named outputs: the stage is read after the last one (it was "repo")
+    with pytest.raises(NVError, match=r"missing .*budget.json: rerun `dvc repro pruning`$"):
+        read_json(tmp_path / "outputs" / "repo" / "outputs" / "pruning" / "budget.json")
+    with pytest.raises(NVError, match=r"missing .*outputs/budget.json: rerun the stage that wrote it$"):
+        read_json(tmp_path / "outputs" / "budget.json")
     with pytest.raises(NVError, match=r"missing .*hidden_dim.json: rerun `dvc repro spectrum`"):
         read_json(tmp_path / "metrics" / "hidden_dim.json", "spectrum")
     common = tmp_path / "outputs" / "pruning" / "common_set.npz"

@@ -66,6 +66,14 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
     (tmp_path / "twice.yaml").write_text("seed: 0\nsampling:\n  N: 10\n  N: 20\n")  # PyYAML alone keeps the last
     with pytest.raises(NVError, match="not valid YAML: key 'N' given twice at line 4, column 3"):
         load_params(tmp_path / "twice.yaml")
+    # a merge key's entries are overridden by the mapping's own (YAML); a complex key is one line, not a TypeError
+    from nv.params import _UniqueKeyLoader
+
+    merged = yaml.load("base: &b {N: 10, N0: 5}\nsampling:\n  <<: *b\n  N: 20\n", Loader=_UniqueKeyLoader)
+    assert merged["sampling"] == {"N": 20, "N0": 5}  # refused before: no constructor for the merge tag
+    (tmp_path / "complex.yaml").write_text("seed: 0\n? [a, b]\n: 1\n")
+    with pytest.raises(NVError, match=r"not valid YAML: a mapping key must be a scalar, got list at line 2, column 3"):
+        load_params(tmp_path / "complex.yaml")
     with pytest.raises(NVError, match="params file not found"):
         load_params(tmp_path / "absent.yaml")
     with pytest.raises(NVError, match="cannot be read: Is a directory"):
@@ -165,6 +173,20 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
          "'validation.models.qwen-0_5b.platforms' names 'llamacpp', which is not in timing.platforms (inprocess)"),
         (lambda p: p["timing_family"].pop("ref-640x20"),
          "'timing.platforms.llamacpp.references' names 'ref-640x20', which is not in timing_family"),
+        # a dotted family name passed, and DVC read it as nesting: `dvc repro` stopped after timing it
+        (lambda p: p["timing_family"].update({"Qwen2.5-0.5B": {"spec": "Qwen/Qwen2.5-0.5B"}}),
+         "'timing_family.Qwen2.5-0.5B': a stage item name may hold only letters, digits, '_' and '-'"),
+        # a string passed as a list of names (each of its characters a name)
+        (lambda p: p["timing"]["platforms"]["llamacpp"].update(references="ref-384x12"),
+         "'timing.platforms.llamacpp.references' must be 'all' or a non-empty list of timing_family names"),
+        # trial budgets no model is timed with, or that the trim leaves under 2 trials: an empty figure's traceback,
+        # a model gone from the validation, a late failure, at the end of the pipeline
+        (lambda p: p["overall"].update(trials=[2, 20]),
+         "'overall.trials' names 20, more than any timing platform's trials (10, 10): no model is timed that often"),
+        (lambda p: p["overall"].update(trials=[6, 10]),
+         "'validation.models.qwen-0_5b.trials' = 5 is below every overall.trials budget (6, 10)"),
+        (lambda p: (p["overall"].update(trials=[3, 10]), p["timing"].update(trim=0.34)),
+         "'timing.trim' = 0.34 on overall.trials = 3 keeps fewer than 2 trials"),
     ],
 )
 def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, edit, message):
