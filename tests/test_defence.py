@@ -413,3 +413,20 @@ def test_attack_on_the_defended_embedded_model_reports_the_defence_and_rounded_l
     with np.load(next((out / "samples").glob("shard-*.npz"))) as shard:
         y = shard["logprobs"].astype(np.float64)
     assert y.size > 40 and np.allclose(y, np.round(y, 1), rtol=0, atol=1e-6)  # float32 storage of 1-decimal values
+
+
+def test_the_defences_streams_are_not_the_simulators_draws():
+    """A defended run's noise, argmax and timing streams are its own: SeedSequence([seed, 1]), the argmax noise, was
+    bit for bit the simulator's draw stream of prompt 1, default_rng((seed, 1)); and with seed 0, prompt 0's noise
+    stream [0, 0, 0, 0] was its own draws' (0, 0), the entropy padded alike."""
+    from nv.oracle.defence import _seed_sequence
+
+    def bits(entropy) -> list:
+        return np.random.default_rng(entropy).integers(0, 2**63, 4).tolist()
+
+    for seed in (0, 7):
+        rows = [bits((seed, q)) for q in range(4)]
+        own = [bits(_seed_sequence(seed, stream)) for stream in range(3)]
+        own += [bits(_seed_sequence(seed, 0, (seed, q))) for q in range(4)]
+        assert not any(o == r for o in own for r in rows) and len({tuple(o) for o in own}) == len(own)
+

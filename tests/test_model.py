@@ -216,6 +216,30 @@ def test_models_take_float32_gemms_only_where_torch_has_no_bf16_gemm(lm32, monke
     assert torch.allclose(z.float(), z_native.float(), atol=0.05) and (native == torch.equal(z, z_native))
 
 
+def test_a_full_disk_under_the_float32_cache_falls_back_to_the_file(lm32, tmp_path, caplog):
+    """The float32 cache's write on a real full disk (a 2 MB tmpfs under a tiny random model's 13 MB of weights):
+    safetensors reports it in its own error, not an OSError, which went past the fallback as a traceback; now a
+    warning, no entry and no temporary folder, and the load goes on from the file."""
+    import subprocess
+
+    from nv.models import loading
+    from nv.models.reference_family import random_llama, shape_from_entry
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    try:
+        shape = shape_from_entry({"d": 64, "L": 2, "n_kv_heads": 1, "d_ffn": 128}, lm32.arch.vocab_size, 512)
+        lm = random_llama(shape, lm32.tokenizer, "float32", 0, "tiny")
+        with caplog.at_level("WARNING"):
+            assert loading._write_cache(lm.model, lm32.tokenizer, disk / "cache" / "tiny-0123") is False
+        assert "could not cache the dequantised model" in caplog.text and "serializ" in caplog.text.lower()
+        assert list((disk / "cache").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_a_cache_write_stopped_midway_leaves_no_folder_and_a_sound_entry_survives_a_memory_error(tmp_path, monkeypatch):
     """The float32 cache's writer removes its temporary folder whatever stops it (it was removed on an OSError alone:
     Ctrl-C, SIGTERM or a MemoryError during a minutes-long save left up to 6.7 GB of .tmp-* in the cache); and an
@@ -234,7 +258,7 @@ def test_a_cache_write_stopped_midway_leaves_no_folder_and_a_sound_entry_survive
             (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)
             raise self.error
 
-    for error in (RuntimeError("safetensors"), MemoryError(), KeyboardInterrupt()):
+    for error in (RuntimeError("a failed save"), MemoryError(), KeyboardInterrupt()):
         with pytest.raises(type(error)):
             loading._write_cache(Model(error), None, tmp_path / "cache" / "m-0123")
         assert list((tmp_path / "cache").iterdir()) == [], error

@@ -171,6 +171,8 @@ def _stamp(folder: Path) -> dict:
 def _write_cache(model, tokenizer, folder: Path) -> bool:
     """Save a dequantised GGUF model as safetensors with its ``STAMP``, atomically (tmp folder + rename); False if it
     could not."""
+    from safetensors import SafetensorError
+
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
@@ -182,7 +184,7 @@ def _write_cache(model, tokenizer, folder: Path) -> bool:
         (tmp / STAMP).write_text(json.dumps(_stamp(tmp)))
         tmp.rename(folder)
         return True
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors raises its own error for the weights' I/O (a full disk)
         log.warning("could not cache the dequantised model in %s: %s", folder, exc)
         return False
     finally:  # also on Ctrl-C, SIGTERM or a MemoryError mid-save: no GB-sized .tmp-* folder left in the cache

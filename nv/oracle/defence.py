@@ -264,7 +264,9 @@ def http_truncation_fields(defence: Defence) -> dict:
 
 
 def _seed_sequence(seed: int, stream: int, request_seed=()) -> np.random.SeedSequence:
-    return np.random.SeedSequence([seed, stream, *np.atleast_1d(np.asarray(request_seed, dtype=np.int64)).tolist()])
+    """The defence's own stream: (stream, request seed) as a spawn key, so it never equals a plain entropy list such as
+    the simulator's row stream default_rng((seed, q)) (SeedSequence([seed, 1]) was prompt 1's draws)."""
+    return np.random.SeedSequence(seed, spawn_key=(stream, *np.atleast_1d(np.asarray(request_seed, dtype=np.int64)).tolist()))
 
 
 # -- the wrapper -------------------------------------------------------------------------------------
