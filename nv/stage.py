@@ -39,7 +39,7 @@ STAGES: dict[str, Stage] = {
     "carlini_baseline": Stage("notebooks/21_carlini_baseline.ipynb", ("model", "spectrum", "carlini_baseline")),
     "timing_reference": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing"), each="timing_family"),
     "timing_target": Stage("notebooks/30_timing_collect.ipynb", ("model", "timing", "timing_target")),
-    "timing_fit": Stage("notebooks/31_timing_fit.ipynb", ("timing", "timing_target", "timing_family")),
+    "timing_fit": Stage("notebooks/31_timing_fit.ipynb", ("timing", "timing_family")),
     "overall": Stage("notebooks/40_overall_results.ipynb", ("timing", "timing_family", "overall")),
     "validation_phase1": Stage("notebooks/50_validation_phase1.ipynb", ("model", "search", "sampling", "spectrum"),
                                each="validation.models"),

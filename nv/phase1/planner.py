@@ -257,3 +257,38 @@ def summarise(model: str, d_true: int, budget: dict, pilot: SampledMatrix, tail:
             "tokens_left_out": tail.tokens_left_out, "N_for_d": N_for_d, "tokens_for_d": budget["tokens"] / budget["N"] * N_for_d,
             "stop_N": stop_N, "adaptive_stop_N": adaptive_stop_N,
             "stop_over_N_for_d": stop_N / N_for_d, "adaptive_stop_over_N_for_d": adaptive_stop_N / N_for_d}
+
+
+CURVE_TOP = 3e6  # the figure's mu(N) curve runs from a third of the pilot's N to here
+
+
+def stable_stops(adaptive: list[dict]) -> dict[str, float]:
+    """Where ``sampling.N: auto`` stopped, per model, from the exactness stage's ``adaptive`` records (a stop at
+    the draws' cap is no stop)."""
+    return {s["model"]: s["N"] for s in adaptive if s["stop"] == "stable"}
+
+
+def against_run(run, budgets: list[int], planner: dict, seed: int, adaptive_stop_N: float
+                ) -> tuple[list[dict], dict, tuple[np.ndarray, np.ndarray]]:
+    """The planner stage on one model's phase-1 run (``nv.outputs.Phase1Run``): the pilot (the first
+    ``pilot_prompts`` prompts x ``pilot_N`` calls of its stored sample) fitted; ``check``'s rows at ``budgets`` with
+    the budget sweep's pruned D' and |C| beside them; ``summarise``'s row, with the sweep's first exact budget (a
+    robust row whose d_hat_raw lies in the detector's interval, ``covered``) as ``stop_N``; and mu(N) for the
+    figure."""
+    import pandas as pd
+
+    from nv.phase1.sampling import sample_budget
+
+    budget = sample_budget(run.samples)
+    pilot = pilot_of(run.samples, planner["pilot_prompts"], planner["pilot_N"], seed)
+    tail = fit(pilot, planner["min_seen"])
+    sweep = pd.read_csv(run.sweep)
+    robust = sweep[sweep.method == "robust"].set_index("N")
+    rows = [r | {"model": run.spec, "pruned_D": robust.D_prime.get(r["N"]), "pruned_C": robust.C.get(r["N"])}
+            for r in check(tail, run.samples, budgets, seed)]
+    exact = robust[robust.d_hat_raw.notna() & robust.covered.astype(bool)]
+    grid = np.geomspace(planner["pilot_N"] / 3, CURVE_TOP, 60)
+    row = summarise(run.spec, run.d_true, budget, pilot, tail, stop_N=exact.index.min() if len(exact) else np.nan,
+                    adaptive_stop_N=adaptive_stop_N)
+    return rows, row, (grid, tail.expected_common(grid, budget["D"]))
+
