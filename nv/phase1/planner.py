@@ -56,7 +56,7 @@ class TokenModel:
     D0: int
     N0: int
     tokens_left_out: int
-    logprobs: str = "processed"  # the pilot's log-probs as served: its draws' own, or raw ones converted (``fit``)
+    logprobs: str  # the pilot's log-probs as served: "processed" (its draws' own) or "raw" (converted, ``fit``)
 
     def expected_common(self, N: float | np.ndarray, D: int) -> np.ndarray:
         """mu(N) for D fresh prompts like the pilot's: sum_i (1 - I(m_i, s_i; N))^D."""
@@ -112,7 +112,6 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int], adaptive: bool = Fa
 
 FREQUENT = 30.0  # expected draws N_0 e^y of an entry that ``draws_over_expected`` compares
 AGREEMENT = (0.8, 1.25)  # observed / expected draws of those entries for a pilot the model describes
-LOGPROB_MODES = ("processed", "raw")
 
 
 def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
@@ -175,8 +174,8 @@ def as_processed(pilot: SampledMatrix) -> SampledMatrix:
 def fit(pilot: SampledMatrix, min_seen: int = 3) -> TokenModel:
     """Maximum-likelihood (m_i, s_i) per token from the pilot's exact log-probs (module docstring). The pilot's
     log-probs are taken as its draws' (``processed``) where its frequent entries were drawn as often as they say
-    (``draws_over_expected`` within ``AGREEMENT``), else as raw log_softmax(z) and converted (``as_processed``), and
-    refused where neither holds."""
+    (``draws_over_expected`` within ``AGREEMENT``, or too few such entries, under 20, to tell), else as raw
+    log_softmax(z) and converted (``as_processed``), and refused where neither holds."""
     if pilot.D < 2 * min_seen:
         raise NVError(f"a pilot of {pilot.D} prompts is too small to fit the tail: use at least {2 * min_seen}")
     mode = "processed"
@@ -291,4 +290,3 @@ def against_run(run, budgets: list[int], planner: dict, seed: int, adaptive_stop
     row = summarise(run.spec, run.d_true, budget, pilot, tail, stop_N=exact.index.min() if len(exact) else np.nan,
                     adaptive_stop_N=adaptive_stop_N)
     return rows, row, (grid, tail.expected_common(grid, budget["D"]))
-
