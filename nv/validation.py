@@ -23,7 +23,7 @@ from nv.errors import NVError
 from nv.outputs import json_value, read_json
 from nv.overall import timed_tokens, with_trials
 from nv.phase2.fit import total_params
-from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_scores
+from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_order, rule_scores
 
 
 def _duration(notebook: Path) -> float:
@@ -105,14 +105,15 @@ def evaluate_timing(records: dict[str, list[dict]], timing: dict, trial_counts: 
             # the calibration's own references, each held out in turn on its platform: the attacker's error estimate;
             # the rule's scores pool every platform, the half-widths are g's platform's
             refs = {p: [held_out_all(recs, r, timing) for r in rs if r["role"] == "reference"] for p, rs in recs.items()}
-            scores = rule_scores([row for held in refs.values() for row in held])
+            pooled = [row for held in refs.values() for row in held]
+            scores, order = rule_scores(pooled), rule_order(pooled)
             q = half_widths(refs[g["platform"]])
             for K in trial_counts:
                 if K > g["trials"]:
                     continue
                 gk = with_trials(g, K, timing["trim"])
                 row = held_out_all(recs, gk, timing)
-                rule = choose_rule(scores, row)
+                rule = choose_rule(order, row)
                 rows.append({**{k: row.get(k, np.nan) for k in ("model", "platform", "calibration", "d_used", "d_true", "L_true", "P_true",
                                                                  "L_hat", "L_hat_eq10", "P_ne_true", "P_ne_hat_basic", "P_ne_hat_eq10",
                                                                  "note", "note_eq10", "note_t_basic", "note_t_eq10", "note_prefill")},

@@ -83,7 +83,7 @@ def estimate(ell: np.ndarray, T: np.ndarray, sigma: np.ndarray, d_hat: int, cal:
     both = depths(cal["beta"], cal["alpha"], k, d_hat, ell_a, T_a, sigma_a, gamma)
     raw, t = ({name: pair[i] for name, pair in both.items()} for i in (0, 1))
     L_hat = {name: significant(raw[name], t[name]) for name in ESTIMATORS}
-    rule = choose_rule({name: _inf(cal[f"score_{name}"]) for name in ESTIMATORS}, {ESTIMATORS[n]: v for n, v in L_hat.items()})
+    rule = choose_rule(cal["rule_order"], {ESTIMATORS[n]: v for n, v in L_hat.items()})
     fit = cal["prefill"]
     curve = None if fit is None else prefill.PrefillCalibration(k * fit["b"], k * fit["c"], fit["a"])
     P_ne_hat = {name: prefill.non_embedding_hat(curve, ell, T, sigma, d_hat, L) if curve is not None and L > 0 else np.nan
