@@ -136,7 +136,7 @@ def rule_order(rows: list[dict]) -> list[str]:
     the references either gives a depth, a pair won by the smaller |L_hat / L - 1| or by the one estimator with a
     depth, ties for neither. The medians of ``rule_scores`` decided until 2026-12-06; they tie within the noise of a
     few references (a fresh clone's run: 0.151 against 0.142 for Eq. 10, which then read both targets ~-46 %, the
-    basic estimator -4.8 % and +10.3 %; Eq. 10 won 3 of its 8 pairs)."""
+    basic estimator -4.8 % and +10.3 %; Eq. 10 won 5 of the 10 pairs)."""
     basic, eq10, L = _columns(rows, ESTIMATORS["basic"], ESTIMATORS["eq10"], "L_true")
     with np.errstate(invalid="ignore"):
         e_basic, e_eq10 = (np.where(np.isfinite(x), np.abs(x / L - 1), np.inf) for x in (basic, eq10))
