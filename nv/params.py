@@ -410,8 +410,9 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
 
 def _check_links(params: dict) -> None:
     """Names and sizes one section takes from another, where both were loaded: a validation model's platforms are
-    timing platforms, overall.trials' budgets are timed (by some platform, each validation model by one at least) and
-    keep two trials under the trim, a platform's listed references are members of the timing family."""
+    timing platforms, overall.trials' budgets reach what is timed (some platform, each validation model, at one budget
+    at least) and those used keep two trials under the trim, a platform's listed references are members of the timing
+    family."""
     platforms = params.get("timing", {}).get("platforms")
     if platforms is None:
         return
@@ -421,11 +422,13 @@ def _check_links(params: dict) -> None:
             raise NVError(f"params: 'validation.models.{name}.platforms' names '{missing[0]}', which is not in "
                           f"timing.platforms ({', '.join(platforms)})")
     trials = params.get("overall", {}).get("trials")
+    timed = max(cfg["trials"] for cfg in platforms.values())
+    if trials and min(trials) > timed:  # a budget above a model's trials is left out for it; all of them: nothing left
+        raise NVError(f"params: every 'overall.trials' budget ({', '.join(map(str, trials))}) is above every timing "
+                      f"platform's trials ({', '.join(str(cfg['trials']) for cfg in platforms.values())}): nothing to evaluate")
     for K in trials or ():
-        _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
-        if K > max(cfg["trials"] for cfg in platforms.values()):
-            raise NVError(f"params: 'overall.trials' names {K}, more than any timing platform's trials "
-                          f"({', '.join(str(cfg['trials']) for cfg in platforms.values())}): no model is timed that often")
+        if K <= timed:
+            _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
     for name, model in params.get("validation", {}).get("models", {}).items() if trials else ():
         if model["trials"] < min(trials):
             raise NVError(f"params: 'validation.models.{name}.trials' = {model['trials']} is below every overall.trials "

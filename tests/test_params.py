@@ -181,8 +181,8 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
          "'timing.platforms.llamacpp.references' must be 'all' or a non-empty list of timing_family names"),
         # trial budgets no model is timed with, or that the trim leaves under 2 trials: an empty figure's traceback,
         # a model gone from the validation, a late failure, at the end of the pipeline
-        (lambda p: p["overall"].update(trials=[2, 20]),
-         "'overall.trials' names 20, more than any timing platform's trials (10, 10): no model is timed that often"),
+        (lambda p: p["overall"].update(trials=[20, 30]),
+         "every 'overall.trials' budget (20, 30) is above every timing platform's trials (10, 10): nothing to evaluate"),
         (lambda p: p["overall"].update(trials=[6, 10]),
          "'validation.models.qwen-0_5b.trials' = 5 is below every overall.trials budget (6, 10)"),
         (lambda p: (p["overall"].update(trials=[3, 10]), p["timing"].update(trim=0.34)),
