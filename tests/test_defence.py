@@ -418,14 +418,16 @@ def test_attack_on_the_defended_embedded_model_reports_the_defence_and_rounded_l
 def test_the_defences_streams_are_not_the_simulators_draws():
     """A defended run's noise, argmax and timing streams are its own: SeedSequence([seed, 1]), the argmax noise, was
     bit for bit the simulator's draw stream of prompt 1, default_rng((seed, 1)); and with seed 0, prompt 0's noise
-    stream [0, 0, 0, 0] was its own draws' (0, 0), the entropy padded alike."""
+    stream [0, 0, 0, 0] was its own draws' (0, 0), the entropy padded alike; keyed by (stream,) alone, the argmax
+    stream was prompt 0's second spawned child."""
     from nv.oracle.defence import _seed_sequence
 
     def bits(entropy) -> list:
         return np.random.default_rng(entropy).integers(0, 2**63, 4).tolist()
 
     for seed in (0, 7):
-        rows = [bits((seed, q)) for q in range(4)]
+        rows = [bits((seed, q)) for q in range(4)]  # and the children a row spawns (multinomial_counts, N >= 10^4)
+        rows += [np.random.default_rng((seed, q)).spawn(2)[k].integers(0, 2**63, 4).tolist() for q in range(4) for k in (0, 1)]
         own = [bits(_seed_sequence(seed, stream)) for stream in range(3)]
         own += [bits(_seed_sequence(seed, 0, (seed, q))) for q in range(4)]
         assert not any(o == r for o in own for r in rows) and len({tuple(o) for o in own}) == len(own)

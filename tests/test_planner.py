@@ -203,6 +203,9 @@ def test_a_pilot_of_raw_log_probs_is_converted_and_one_of_reveals_refused(lm32, 
     assert n >= 20 and 0.95 < ratio < 1.05
     ratio, n = draws_over_expected(raw)
     assert n >= 20 and ratio < 0.5 * AGREEMENT[0], ratio
+    from nv.phase1.planner import log_normaliser
+
+    assert log_normaliser(np.array([-0.5]), np.array([10_000]), 10_000) == -0.5  # one token drawn by every call: p = 1
     converted = as_processed(raw)
     assert converted.D == 60 and np.abs((converted.logprobs - processed.logprobs).tocsr().data).max() < 0.03
     as_is, from_raw = fit(processed), fit(raw)

@@ -263,10 +263,15 @@ def http_truncation_fields(defence: Defence) -> dict:
     return {k: v for k, v in (("top_k", defence.top_k), ("top_p", defence.top_p), ("min_p", defence.min_p)) if v is not None}
 
 
+_DEFENCE_KEY = 2**32 - 1  # leads every defence stream's spawn key: no spawn counter of a row stream reaches it
+
+
 def _seed_sequence(seed: int, stream: int, request_seed=()) -> np.random.SeedSequence:
-    """The defence's own stream: (stream, request seed) as a spawn key, so it never equals a plain entropy list such as
-    the simulator's row stream default_rng((seed, q)) (SeedSequence([seed, 1]) was prompt 1's draws)."""
-    return np.random.SeedSequence(seed, spawn_key=(stream, *np.atleast_1d(np.asarray(request_seed, dtype=np.int64)).tolist()))
+    """The defence's own stream: (``_DEFENCE_KEY``, stream, request seed) as a spawn key, so it equals neither a plain
+    entropy list such as the simulator's row stream default_rng((seed, q)) (SeedSequence([seed, 1]) was prompt 1's
+    draws) nor a child that row stream spawns (``multinomial_counts``: spawn keys (0,) and (1,))."""
+    request = np.atleast_1d(np.asarray(request_seed, dtype=np.int64)).tolist()
+    return np.random.SeedSequence(seed, spawn_key=(_DEFENCE_KEY, stream, *request))
 
 
 # -- the wrapper -------------------------------------------------------------------------------------

@@ -150,6 +150,8 @@ def log_normaliser(y_tau: np.ndarray, counts: np.ndarray, N: int) -> float:
         return float(np.sum(N * p / -np.expm1(N * np.log1p(-p))) - c.sum())
 
     top = float(y_tau.max())
+    if excess(top) <= 0:  # every call drew the top token (one entry): p = 1 there
+        return top
     if excess(top + 60.0) >= 0:
         return np.inf
     return optimize.brentq(excess, top, top + 60.0, xtol=1e-6)
