@@ -336,19 +336,24 @@ def test_the_rule_takes_the_estimator_the_references_favour_unless_it_gives_the_
 def test_the_rule_keeps_the_basic_estimator_unless_eq10_wins_a_sign_test():
     """The held-out references of a fresh clone's run (2026-12-06, both platforms pooled, L_hat / L_hat_eq10 for
     each true depth; NaN: no depth): the median errors favoured Eq. 10 by 0.151 to 0.142, and the old rule took it,
-    which read both real targets ~-46 % where the basic estimator read -4.8 % and +10.3 %. Eq. 10 wins 5 of the 10
-    pairs: no evidence, so the basic estimator stays; winning them all (p = 2^-10) moves it first."""
+    which read both real targets ~-46 % where the basic estimator read -4.8 % and +10.3 %. Per model (three of the
+    seven timed on both platforms, one vote each) Eq. 10 wins 2, loses 4, ties 1: no evidence, so the basic estimator
+    stays; winning every model (p = 2^-7) moves it first. A model's rows on two platforms are one vote: four models,
+    seven rows, all won, are 4 of 4 (p = 1/16), too few to tell."""
     from nv.phase2.intervals import rule_order, rule_scores
 
-    run = [(12, np.nan, 10.946), (24, 22.091, 19.244), (16, 15.348, 11.231), (32, 39.014, 24.238), (20, 23.145, 21.145),
-           (28, 30.772, 22.903), (16, 12.351, np.nan), (12, np.nan, 10.301), (16, 13.678, 14.300), (20, 23.574, 17.624)]
-    rows = [{"L_true": L, "L_hat": basic, "L_hat_eq10": eq10} for L, basic, eq10 in run]
+    run = [("384x12", 12, np.nan, 10.946), ("384x24", 24, 22.091, 19.244), ("512x16", 16, 15.348, 11.231),
+           ("512x32", 32, 39.014, 24.238), ("640x20", 20, 23.145, 21.145), ("768x28", 28, 30.772, 22.903),
+           ("1024x16", 16, 12.351, np.nan), ("384x12", 12, np.nan, 10.301), ("512x16", 16, 13.678, 14.300),
+           ("640x20", 20, 23.574, 17.624)]  # in process, then the llama.cpp platform's three
+    rows = [{"model": m, "L_true": L, "L_hat": basic, "L_hat_eq10": eq10} for m, L, basic, eq10 in run]
     scores = rule_scores(rows)
     assert scores["eq10"] < scores["basic"] and (round(scores["basic"], 3), round(scores["eq10"], 3)) == (0.151, 0.142)
     assert rule_order(rows) == ["basic", "eq10"]
-    better = [{"L_true": L, "L_hat": L * 1.3, "L_hat_eq10": L * 0.95} for L, _, _ in run]
+    better = [r | {"L_hat": r["L_true"] * 1.3, "L_hat_eq10": r["L_true"] * 0.95} for r in rows]
     assert rule_order(better) == ["eq10", "basic"]
-    assert rule_order(better[:4]) == ["basic", "eq10"]  # 4 of 4 (p = 1/16): too few references to tell
+    four = [r for r in better if r["model"] in ("384x12", "512x16", "640x20", "384x24")]
+    assert len(four) == 7 and rule_order(four) == ["basic", "eq10"]  # counted by rows, 7 of 7 (p = 1/128) flipped it
 
 
 def test_the_rule_pools_the_references_of_every_platform_and_the_half_widths_are_the_targets_platforms():

@@ -3,11 +3,12 @@
 Two depth estimators, both the paper's (``nv.phase2.evaluation.held_out``): the basic estimator of §4.2 and
 Eq. 10. The rule (``rule_order``, ``choose_rule``) takes the basic estimator, the one that fits fewer parameters of
 the target (its intercept is the references'), unless Eq. 10 is the more accurate on significantly many of the
-calibration's own references (a sign test), each held out on every platform it was timed on (the validation; the
-live attack's calibration file, ``nv.phase2.calibration``, is the reference platform's alone, so there it tests
-that platform's references, where its beta, alpha and half-widths come from); then the first of the two that gives
-the target a depth: what the attacker can decide from the data it has. Pooling the platforms gives the test more
-models than one platform has (the default profile's llama.cpp platform has three references). What separates the
+calibration's own reference models (a sign test, one vote a model), each held out on every platform it was timed
+on (the validation; the live attack's calibration file, ``nv.phase2.calibration``, is the reference platform's
+alone, so there it tests that platform's references, where its beta, alpha and half-widths come from); then the
+first of the two that gives the target a depth: what the attacker can decide from the data it has. Pooling the
+platforms lets a model's rows on both speak in its one vote (the default profile's llama.cpp platform times three
+of the seven references). What separates the
 estimators is structural (a borrowed against a free intercept), and in every run the README records before
 2026-12-06 the in-process references' median error was the basic estimator's the lower (4-16 % against 17-41 %);
 the medians alone (``rule_scores``, reported) tied in a fresh clone's run and chose Eq. 10 (``rule_order``). An
@@ -132,16 +133,21 @@ def half_widths(rows: list[dict]) -> dict[str, float]:
 def rule_order(rows: list[dict]) -> list[str]:
     """The rule's estimators in order of preference, from the references' ``held_out_all`` rows: the basic estimator
     first (§4.2; it fits the target's slope alone, its intercept borrowed), unless Eq. 10 (slope and intercept of the
-    target) is the more accurate on significantly many references: a one-sided sign test at ``SIGN_TEST_ALPHA`` over
-    the references either gives a depth, a pair won by the smaller |L_hat / L - 1| or by the one estimator with a
-    depth, ties for neither. The medians of ``rule_scores`` decided until 2026-12-06; they tie within the noise of a
-    few references (a fresh clone's run: 0.151 against 0.142 for Eq. 10, which then read both targets ~-46 %, the
-    basic estimator -4.8 % and +10.3 %; Eq. 10 won 5 of the 10 pairs)."""
+    target) is the more accurate on significantly many reference models: a one-sided sign test at ``SIGN_TEST_ALPHA``
+    over the models, each held-out row (a model on one platform) either estimator gives a depth won by the smaller
+    |L_hat / L - 1| or by the one estimator with a depth, and a model timed on several platforms voting once, by its
+    rows' wins minus losses (ties for neither). The medians of ``rule_scores`` decided until 2026-12-06; they tie
+    within the noise of a few references (a fresh clone's run: 0.151 against 0.142 for Eq. 10, which then read both
+    targets ~-46 %, the basic estimator -4.8 % and +10.3 %; Eq. 10 won 2 of its 7 models, one tied)."""
     basic, eq10, L = _columns(rows, ESTIMATORS["basic"], ESTIMATORS["eq10"], "L_true")
     with np.errstate(invalid="ignore"):
         e_basic, e_eq10 = (np.where(np.isfinite(x), np.abs(x / L - 1), np.inf) for x in (basic, eq10))
-    pairs = np.isfinite(e_basic) | np.isfinite(e_eq10)
-    wins, losses = int(np.sum(e_eq10[pairs] < e_basic[pairs])), int(np.sum(e_eq10[pairs] > e_basic[pairs]))
+    votes: dict = {}
+    for i, (row, b, e) in enumerate(zip(rows, e_basic, e_eq10)):
+        if np.isfinite(b) or np.isfinite(e):
+            key = row.get("model", i)
+            votes[key] = votes.get(key, 0) + int(e < b) - int(e > b)
+    wins, losses = sum(v > 0 for v in votes.values()), sum(v < 0 for v in votes.values())
     if wins + losses and stats.binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue < SIGN_TEST_ALPHA:
         return ["eq10", "basic"]
     return ["basic", "eq10"]
