@@ -61,6 +61,17 @@ def json_value(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
+def interval_text(lo, hi, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    """A 90 % interval as a table cell, "[lo, hi]" in ``scale`` units: an unbounded upper end (inf, or null as
+    ``json_value`` stores it) as inf; no interval (lo missing) as ""."""
+    def finite(v) -> bool:
+        return v is not None and bool(np.isfinite(v))
+
+    if not finite(lo):
+        return ""
+    return f"[{fmt.format(lo / scale)}, {fmt.format(hi / scale) if finite(hi) else 'inf'}]"
+
+
 def write_json(path: str | Path, value) -> None:
     """``value`` as indented JSON in ``path``, replaced whole (a temporary file, then a rename): a reader, or a run
     stopped mid-write, never sees half a file."""

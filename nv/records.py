@@ -20,6 +20,7 @@ import pandas as pd
 
 from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
+from nv.outputs import interval_text
 from nv.overall import to_markdown
 
 OPEN, CLOSE = "<!-- records: ", "<!-- /records -->"
@@ -56,10 +57,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def span(m: dict, what: str, suffix: str, scale: float, fmt: str) -> str:
-    """An interval [lo, hi] of a metrics entry in ``scale`` units; an unbounded end (null: fewer than two references
-    with a fit) as inf."""
-    lo, hi = m[f"{what}_lo{suffix}"], m[f"{what}_hi{suffix}"]
-    return "[" + ", ".join("inf" if v is None else format(v / scale, fmt) for v in (lo, hi)) + "]"
+    """A metrics entry's interval ``{what}_lo{suffix}``, ``{what}_hi{suffix}`` as text (``interval_text``: an
+    unbounded end, null where fewer than two references gave a fit, as inf)."""
+    return interval_text(m[f"{what}_lo{suffix}"], m[f"{what}_hi{suffix}"], scale, fmt)
 
 
 def validation(metrics: dict) -> str:
@@ -73,11 +73,11 @@ def validation(metrics: dict) -> str:
             d = f"**not saturated**: d >= {m['lower_bound']:.0f}"
         L = P = L10 = Pp = Po = "no estimate"
         if m.get("L_hat") is not None:
-            L = (f"{m['L_hat']:.1f} ({pct(m['L_hat'], m['L_true'])}, {m['rule']}) {span(m, 'L', '', 1, '.1f')}; "
-                 f"{span(m, 'L', '_rule', 1, '.1f')}")
+            L = (f"{m['L_hat']:.1f} ({pct(m['L_hat'], m['L_true'])}, {m['rule']}) {span(m, 'L', '', 1, '{:.1f}')}; "
+                 f"{span(m, 'L', '_rule', 1, '{:.1f}')}")
             if m.get("P_hat") is not None:
-                P = (f"**{m['P_hat'] / 1e6:.0f} M ({pct(m['P_hat'], m['P_true'])})** {span(m, 'P', '', 1e6, '.0f')}; "
-                     f"{span(m, 'P', '_rule', 1e6, '.0f')}")
+                P = (f"**{m['P_hat'] / 1e6:.0f} M ({pct(m['P_hat'], m['P_true'])})** {span(m, 'P', '', 1e6, '{:.0f}')}; "
+                     f"{span(m, 'P', '_rule', 1e6, '{:.0f}')}")
             Pp = f"{m['P_hat_paper'] / 1e6:.0f} M ({pct(m['P_hat_paper'], m['P_true'])})"
             Po = f"{m['P_hat_oracle'] / 1e6:.0f} M ({pct(m['P_hat_oracle'], m['P_true'])})"
         if m.get("L_hat_eq10") is not None:

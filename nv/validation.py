@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from nv.errors import NVError
-from nv.outputs import json_value, read_json
+from nv.outputs import interval_text, json_value, read_json
 from nv.overall import timed_tokens, with_trials
 from nv.phase2.fit import total_params
 from nv.phase2.intervals import ESTIMATORS, choose_rule, estimates, half_widths, held_out_all, rule_order, rule_scores
@@ -233,8 +233,7 @@ def results_table(cases: pd.DataFrame) -> pd.DataFrame:
     """The validation results table: every model, setup and platform at its full budget, intervals as text."""
     top = headline(cases).copy()
     def span(lo, hi, scale=1.0, fmt="{:.0f}"):
-        return [f"[{fmt.format(a / scale)}, {'inf' if not np.isfinite(b) else fmt.format(b / scale)}]" if np.isfinite(a) else ""
-                for a, b in zip(lo, hi)]
+        return [interval_text(a, b, scale, fmt) for a, b in zip(lo, hi)]
     top["d_interval"] = span(top.d_lo, top.d_hi)
     top["L_interval"] = span(top.L_lo, top.L_hi, fmt="{:.1f}")
     top["L_interval_rule"] = span(top.L_lo_rule, top.L_hi_rule, fmt="{:.1f}")

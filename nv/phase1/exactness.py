@@ -184,9 +184,10 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     Searched down from the stored N for the first saturated round: the growth rounds are assessed from the top while
     saturated; taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the
     common set: in expectation, not draw by draw between independent thinnings), the lowest of that saturated run is
-    where the loop first saturates, found without thinning the rounds below it. From there the loop is followed forward, round by round, until its rule holds. Per view: the rounds on
-    the loop's path from the last unsaturated one (ascending) and why it stopped, "stable", "N_max", or "stored draws"
-    when its next round is beyond the stored N (the live loop would go on; no round at all when that N < N_0)."""
+    where the loop first saturates, found without thinning the rounds below it. From there the loop is followed
+    forward, round by round, until its rule holds. Per view: the rounds on the loop's path from the last unsaturated
+    one (ascending) and why it stopped, "stable", "N_max", or "stored draws" when its next round is beyond the stored
+    N (the live loop would go on; no round at all when that N < N_0)."""
     N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]
     N_all = manifest(folder)["N"]
     plan = schedule(N0, min(N_max, N_all), growth) if N_all >= N0 else []

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from nv.plots.validation import fail_band, log_axis
+from nv.plots.validation import fail_band, k_markers, log_axis
 
 
 def error_vs_budget(table: pd.DataFrame, model: str):
@@ -18,8 +16,9 @@ def error_vs_budget(table: pd.DataFrame, model: str):
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.2 * len(platforms), 4.6), squeeze=False, sharey=True)
     for ax, platform in zip(axes[0], platforms):
         sub = table[table.platform == platform]
-        for (K, rows), marker in zip(sub.groupby("trials"), itertools.cycle("osD^v")):  # K' by marker, the estimate by colour
-            rows = rows.sort_values("tokens")
+        markers = k_markers(sub.trials)
+        for K, rows in sub.groupby("trials"):  # K' by marker, the estimate by colour
+            marker, rows = markers[int(K)], rows.sort_values("tokens")
             for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
                 ax.plot(rows.tokens, 100 * rows[f"{what}_err"], "-", marker=marker, ms=5, mfc="none", color=color, alpha=0.8)
             ax.plot([], [], marker, mfc="none", color="0.3", label=f"K' = {K} timing trials")

@@ -18,6 +18,12 @@ import pandas as pd
 FAIL = {"marker": "X", "color": "red", "ms": 8, "ls": "none", "zorder": 4}
 
 
+def k_markers(trials) -> dict[int, str]:
+    """A marker per timing budget K' (trials per length), by its place among all of ``trials``: one K' the same
+    marker in every model's points and in the legend."""
+    return {int(K): m for K, m in zip(sorted(set(trials)), itertools.cycle("osD^v"))}
+
+
 def log_axis(ax, xlabel: str) -> None:
     """Log x axis with readable, non-overlapping major ticks only."""
     ax.set_xscale("log")
@@ -83,13 +89,14 @@ def d_vs_budget(phase1: pd.DataFrame):
 
 def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: float) -> None:
     """|error| of ``what`` versus column ``x``: faint line per model, bold mean over models; failures in the band."""
+    markers = k_markers(cases.trials.dropna())
     for model, r in cases.groupby("model", sort=False):
         r = r.sort_values(x)
         ok = r[r[f"{what}_err"].notna()]
         ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
-        for K, marker in zip(sorted(ok.trials.unique()), itertools.cycle("osD^v")):  # the cases of one phase-1 budget differ in K'
+        for K in sorted(ok.trials.unique()):  # the cases of one phase-1 budget differ in K'
             at = ok[ok.trials == K]
-            ax.plot(at[x], 100 * at[f"{what}_err"].abs(), marker, color=colors[model], alpha=0.8, ms=5)
+            ax.plot(at[x], 100 * at[f"{what}_err"].abs(), markers[int(K)], color=colors[model], alpha=0.8, ms=5)
         fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None, colors[model])
     ok = cases[cases[f"{what}_err"].notna()].sort_values(x)
     if len(ok):  # the k-th cheapest case of every model, averaged (models differ in their budgets)
@@ -97,8 +104,8 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
             x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
         means = means[means.n == ok.model.nunique()]
         ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget; bar: the mean)")
-    for K, marker in zip(sorted(cases.trials.dropna().unique()), itertools.cycle("osD^v")):
-        ax.plot([], [], marker, color="0.3", label=f"K' = {int(K)} timing trials")
+    for K, marker in markers.items():
+        ax.plot([], [], marker, color="0.3", label=f"K' = {K} timing trials")
 
 
 def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
