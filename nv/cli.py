@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     phase2.add_argument("--timing-d-hat", type=_size, metavar="D", help="time with this d_hat instead of phase 1's (e.g. an earlier run's)")
     p.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="with --simulate: switch on a provider defence (params.yaml section defence), e.g. round_decimals=1")
-    p.add_argument("--params", help="params file (sections model, search, sampling, spectrum; live with --base-url); default: "
+    p.add_argument("--params", help="params file (sections seed, model, search, sampling, spectrum; defence with --simulate; live with "
+                   "--base-url, planner with --pilot); default: "
                    "the current folder's params.yaml")
     p.add_argument("--out", default="attack-out", help="output folder (report.json, spectrum.png, checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

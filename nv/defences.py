@@ -166,7 +166,7 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
                     d_true: int, seed: int, log_probs_T1: np.ndarray | None) -> pd.DataFrame:
     """Tokens to exactness under adaptive sampling (``sampling.N: auto``), per log-prob setting with the attack's
     counter-measure, on the draws stored in ``folder`` (N calls a prompt; never held beside a round: each round
-    thinned from disk, the top one the stored sample itself): the round the loop stops at, its cost and estimate, or
+    thinned from disk, one at the stored N the stored sample itself): the round the loop stops at, its cost and estimate, or
     the last round's lower bound. Undefended: the loop's own stop (``exactness.adaptive_stop``: its record, else its
     replay). A setting whose cell at N in the sweep ``p1`` (``sweep_phase1``, with the counter-measure) is not
     saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not); the

@@ -230,7 +230,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
            f"placed from {placed}), one output token each: {p['phase2']['requests']:,} requests, "
            f"{'at most ' if p['phase2']['bound'] else ''}{p['phase2']['tokens_billed']:,} billed tokens"
            + ("" if p["phase2"]["money"] is None else f", money {p['phase2']['money']:.6g}")
-           + " (not in the totals above; the budget check adds them to phase 1's"
+           + f" (not in the totals above; the budget check adds them to phase 1's, with {p['phase2']['tokens_held'] - p['phase2']['tokens_billed']:,} "
+           "tokens more its last call reserves beyond its bill,"
            + (", its first round's" if p["adaptive"] else "") + ")")
     )
 
@@ -296,9 +297,10 @@ def _format_pilot(p: dict, money_given: bool) -> str:
 
 
 def _with_phase2(cost: dict, phase2: dict | None) -> tuple[int, int]:
-    """Requests and billed tokens of phase 1's ``cost`` (a ``_cost`` dict) with phase 2's added, where it is planned."""
-    extra = phase2 or {"requests": 0, "tokens_billed": 0}
-    return cost["requests"] + extra["requests"], cost["tokens_billed"] + extra["tokens_billed"]
+    """Requests and billed tokens of phase 1's ``cost`` (a ``_cost`` dict) with what phase 2 holds added, where it is
+    planned."""
+    extra = phase2 or {"requests": 0, "tokens_held": 0}
+    return cost["requests"] + extra["requests"], cost["tokens_billed"] + extra["tokens_held"]
 
 
 def check_budget(p: dict, budget: Budget) -> None:
@@ -328,10 +330,10 @@ def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Pat
         oracle.probe()
         params = {**params, "model": {"endpoint": oracle.base_url, "model": model,
                                       **{k: params["live"][k] for k in REQUEST_KEYS}}}
-        phase2 = planned.get("phase2") or {"requests": 0, "tokens_billed": 0}
+        phase2 = planned.get("phase2") or {"requests": 0, "tokens_held": 0}
         # phase 2's whole share is kept from phase 1's rounds, even where an earlier run's timed calls are journaled:
         # which calls phase 2 makes follows from phase 1's d_hat (its sweep), known only once phase 1 ends
-        with oracle.holding(phase2["requests"], phase2["tokens_billed"]):
+        with oracle.holding(phase2["requests"], phase2["tokens_held"]):
             samples, search_cost, adaptive = search_and_sample(oracle, params, out, out / ".checkpoints", progress)
         record = estimate_and_report(samples, params["spectrum"], model, None, search_cost, adaptive, out, params["seed"],
                                      progress)

@@ -203,7 +203,8 @@ SCHEMA: dict[str, dict] = {
     "overall": {"trials": _BUDGETS, "estimator": _one_of("robust", "paper", "incomplete")},
     # nv.oracle.defence: what the provider switches on (null = off)
     "defence": {
-        "round_decimals": _opt((int,), lambda v: v >= 0, "an int >= 0"),
+        "round_decimals": _opt((int,), lambda v: 0 <= v <= 15,
+                               "an int in [0, 15] (above 15 a float64 log-prob is unchanged: it defends nothing)"),
         "round_format": _opt((str,), lambda v: v in ("fp16", "bf16", "fp8_e4m3"), "one of ('fp16', 'bf16', 'fp8_e4m3')"),
         # a setting that defends nothing (noise 0, top_p 1, min_p 0, no delay, buckets of 1 token) is refused: a
         # provider reading "the attack survives" must have switched something on; null switches a knob off
@@ -429,6 +430,8 @@ def _check_links(params: dict) -> None:
     for K in trials or ():
         if K <= timed:
             _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
+    for name, model in params.get("validation", {}).get("models", {}).items():  # its sweeps' K, timed before they are fitted
+        _trim_keeps(params["timing"]["trim"], model["trials"], "params", f"validation.models.{name}.trials")
     for name, model in params.get("validation", {}).get("models", {}).items() if trials else ():
         if model["trials"] < min(trials):
             raise NVError(f"params: 'validation.models.{name}.trials' = {model['trials']} is below every overall.trials "

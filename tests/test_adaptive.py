@@ -185,6 +185,43 @@ def test_too_small_n_max_reports_not_saturated_with_a_lower_bound(tmp_path):
     assert not rounds[-1].saturated and rounds[-1].d_hat_raw is None and 0 <= rounds[-1].lower_bound <= 12
 
 
+def test_bad_rounds_are_refused_before_the_prompt_search_pays(tmp_path):
+    """N0 above N_max, or a growth that needs more than 64 rounds: refused before any call (the prompt search, 4,096
+    calls with the default params, was paid first; a review)."""
+    from nv.phase1.pipeline import search_and_sample
+
+    for sampling, message in (({"N0": 2000, "N_max": 1000}, "needs 1 <= N <= N_max"), ({"growth": 1.01}, "more than 64 rounds")):
+        oracle = LowRankOracle()
+        params = {"seed": 0, "model": {"m": "toy"}, "spectrum": {"robust": ROBUST},
+                  "search": {"D": 8, "rounds": 1, "batch_size": 8, "explore_rounds": 1, "threshold": 0.5, "length": 4, "mode": "diverse"},
+                  "sampling": {"N": "auto", "N0": 100, "N_max": 1000, "growth": 2.0, "temperature": 2.0, "chunk": 4} | sampling}
+        with pytest.raises(NVError, match=message):
+            search_and_sample(oracle, params, tmp_path, tmp_path / "ck", progress=False)
+        assert oracle.cost.calls == 0
+
+
+def test_n_max_raised_after_a_capped_round_draws_that_round_again_at_its_size(tmp_path):
+    """N_max = 300 cuts round 2 (200 -> 400) short: the stop line names the round a rerun runs (N = 400, the capped
+    round drawn again; it named 600), and the rerun with N_max = 400 keeps rounds 0-1, draws round 2 once at its own
+    size and removes the capped one's folder (it stayed, unused); another target's round 2 is left alone."""
+    lines, ck = [], tmp_path / "ck"
+    run = lambda oracle, N_max, identity: sample_adaptive(  # noqa: E731
+        oracle, PROMPTS, {"N0": 100, "N_max": N_max, "growth": 2.0, "temperature": 2.0, "chunk": 40}, ROBUST, 0,
+        tmp_path / "s", 300, ck, identity, progress=False, report=lines.append)
+    _, rounds, why = run(LowRankOracle(rank=70), 300, {"m": "toy"})
+    assert why == "N_max" and [r.N for r in rounds] == [100, 200, 300] and not rounds[-1].saturated
+    assert "the next round (N = 400)" in lines[-1] and "round 2 is drawn again" in lines[-1] and "at least 400" in lines[-1]
+    run(LowRankOracle(rank=70), 300, {"m": "other"})
+    oracle = LowRankOracle(rank=70)
+    _, rounds, _ = run(oracle, 400, {"m": "toy"})
+    assert [r.N for r in rounds] == [100, 200, 400] and oracle.sample_calls == len(PROMPTS)  # round 2 alone
+    sizes = sorted((f.name.split("-")[1], f.name.split("-")[3]) for f in (ck / "adaptive").iterdir())
+    assert sizes == [("0", "100"), ("0", "100"), ("1", "100"), ("1", "100"), ("2", "100"), ("2", "200")]
+    lines.clear()
+    run(LowRankOracle(rank=70), 400, {"m": "toy"})  # N_max on the grid: the next round is the loop's own
+    assert "the next round (N = 800)" in lines[-1] and "drawn again" not in lines[-1]
+
+
 def test_a_stopped_loop_leaves_its_rounds_and_no_merged_sample(tmp_path):
     """Ctrl-C in round 2: the finished rounds stay for the rerun, the merged sample on disk does not (it is rebuilt
     from them), and the rerun samples only round 2 onwards."""

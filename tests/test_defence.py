@@ -365,6 +365,17 @@ def test_a_defence_the_backend_cannot_honour_is_refused_in_one_line():
             DefendedOracle(biased, Defence(top_p=0.9), seed=0)
     finally:
         biased.close()
+    # a field nv defend refuses (it replaces the truncation chain or the temperature, or returns probabilities) is
+    # refused here too, under any defence: a run reported as top_k = 2 sampled by the endpoint's own chain (a review)
+    for extra in ({"samplers": ["temperature"]}, {"grammar": 'root ::= "a"'}, {"mirostat": 2}, {"n_probs": 50}):
+        for defence in (Defence(top_k=2), Defence(round_decimals=1)):
+            odd = HTTPOracle("http://127.0.0.1:9/v1", "m", extra_body=extra)
+            try:
+                with pytest.raises(NVError, match=f"live.extra_body field\\(s\\) '{next(iter(extra))}' with a defence") as err:
+                    DefendedOracle(odd, defence, seed=0)
+                assert "\n" not in str(err.value) and odd.extra_body == extra
+            finally:
+                odd.close()
 
 
 # -- params and the command line ----------------------------------------------------------------------
@@ -375,7 +386,8 @@ def test_the_shipped_defence_section_is_all_off_and_bad_values_are_one_line_erro
     for key, value, message in [("noise_sigma", -0.1, "> 0"), ("top_p", 0.0, r"\(0, 1\)"), ("top_p", 1.5, r"\(0, 1\)"),
                                 ("round_format", "fp4", "one of"), ("top_k", 2.5, "int"), ("round_decimals", True, "bool"),
                                 ("latency_quantum_ms", 0, "> 0"), ("min_p", "a", "float"),
-                                ("noise_sigma", float("inf"), "finite"), ("delay_exp_ms", float("inf"), "finite")]:
+                                ("noise_sigma", float("inf"), "finite"), ("delay_exp_ms", float("inf"), "finite"),
+                                ("round_decimals", 16, r"\[0, 15\]"), ("round_decimals", 309, "unchanged")]:  # 309: NaN
         with pytest.raises(NVError, match=f"defence.{key}.*{message}") as err:
             check_section("defence", {**section, key: value})
         assert "\n" not in str(err.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 
@@ -61,6 +62,25 @@ def upstream_app(seen: list) -> web.Application:
     return app
 
 
+@contextlib.asynccontextmanager
+async def proxied(defence: Defence, seen: list, prefix: str = "", credentials: str = "", timeout_s: float = 30.0,
+                  seed: int | None = 0):
+    """The fake upstream (recording into ``seen``) and the proxy in front of it, both serving; yields the proxy's port."""
+    up_port, proxy_port = free_port(), free_port()
+    runners = []
+    try:
+        for app, port in ((upstream_app(seen), up_port),
+                          (make_app(f"http://{credentials}127.0.0.1:{up_port}{prefix}", defence, seed, timeout_s), proxy_port)):
+            runner = web.AppRunner(app)
+            runners.append(runner)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield proxy_port
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
 def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: str = "", credentials: str = "",
              timeout_s: float = 30.0, seed: int | None = 0, elapsed: list | None = None) -> tuple[list, list]:
     """Start the fake upstream and the proxy in front of it, send ``requests`` (method, path, JSON body or raw
@@ -69,33 +89,21 @@ def exchange(defence: Defence, requests: list[tuple[str, str, object]], prefix: 
     seen: list = []
 
     async def main():
-        up_port, proxy_port = free_port(), free_port()
-        runners = []
-        for app, port in ((upstream_app(seen), up_port),
-                          (make_app(f"http://{credentials}127.0.0.1:{up_port}{prefix}", defence, seed, timeout_s), proxy_port)):
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
         replies = []
-        try:
-            async with aiohttp.ClientSession() as client:
-                for method, path, body in requests:
-                    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-                    start = time.monotonic()
-                    # the path as given, dot segments and escapes kept (a client such as curl --path-as-is sends them)
-                    async with client.request(method, URL(f"http://127.0.0.1:{proxy_port}{path}", encoded=True), **kwargs) as r:
-                        text = await r.text()
-                        try:
-                            payload = json.loads(text)
-                        except json.JSONDecodeError:
-                            payload = text
-                        replies.append((r.status, dict(r.headers), payload))
-                    if elapsed is not None:
-                        elapsed.append(time.monotonic() - start)
-        finally:
-            for runner in reversed(runners):
-                await runner.cleanup()
+        async with proxied(defence, seen, prefix, credentials, timeout_s, seed) as proxy_port, aiohttp.ClientSession() as client:
+            for method, path, body in requests:
+                kwargs = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+                start = time.monotonic()
+                # the path as given, dot segments and escapes kept (a client such as curl --path-as-is sends them)
+                async with client.request(method, URL(f"http://127.0.0.1:{proxy_port}{path}", encoded=True), **kwargs) as r:
+                    text = await r.text()
+                    try:
+                        payload = json.loads(text)
+                    except json.JSONDecodeError:
+                        payload = text
+                    replies.append((r.status, dict(r.headers), payload))
+                if elapsed is not None:
+                    elapsed.append(time.monotonic() - start)
         return replies
 
     return asyncio.run(main()), seen
@@ -133,6 +141,12 @@ def test_only_the_model_list_and_health_are_readable():
     assert [r[0] for r in replies] == [200] * 4 + [403] * 3 + [400, 400, 403]
     assert "a server's /metrics gives each request's own prefill time" in replies[4][2]["error"]["message"]
     assert [s["path"] for s in seen] == readable
+    # escapes decoded twice on the way up: %252E%252E reached /metrics, an escaped '?' POSTed to /slots/0 (a review)
+    twice = [("GET", "/models/%252E%252E/metrics", None), ("POST", "/slots/0%3Faction=erase%26x=/completions", {"prompt": "x"}),
+             ("POST", "/v1/completions%23/x/completions", {"prompt": "x"})]
+    replies, seen = exchange(Defence(latency_quantum_ms=1000, top_k=2), twice)
+    assert [r[0] for r in replies] == [400] * 3 and seen == []
+    assert "an escaped '%', '?' or '#' is not forwarded" in replies[0][2]["error"]["message"]
 
 
 def test_what_cannot_be_defended_is_refused_with_a_message():
@@ -265,6 +279,48 @@ def test_noise_is_drawn_per_token_id_and_from_the_os_unless_seeded():
              for seed in (None, None, 3, 3)]
     values = [r["choices"][0]["logprobs"]["token_logprobs"][0] for r in first]
     assert values[0] != values[1] and values[2] == values[3]
+
+
+def test_log_probs_of_a_shape_not_known_are_dropped_not_passed():
+    """A choice's logprobs that is not an object, a prompt_logprobs entry that is a bare number, a chat entry's top
+    list that is an object: dropped (they passed raw, and the last was a 500)."""
+    defence, rng = Defence(round_decimals=1, noise_sigma=0.5), np.random.default_rng(0)
+    odd = defend_reply({"choices": [{"logprobs": [{"token": "a", "logprob": -1.23456789}]}]}, defence, rng)
+    assert odd["choices"][0]["logprobs"] is None
+    odd = defend_reply({"prompt_logprobs": [None, {"17": -3.14159265}, 2.5], "choices": [{"prompt_logprobs": {"17": -3.1}}]},
+                       defence, rng)
+    assert odd["prompt_logprobs"] == [None, {"17": None}, None] and odd["choices"][0]["prompt_logprobs"] is None
+    chat = json.loads(json.dumps(CHAT))
+    chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"] = {"a": RAW}
+    entry = defend_reply(chat, defence, rng)["choices"][0]["logprobs"]["content"][0]
+    assert entry["top_logprobs"] is None and entry["logprob"] != RAW
+
+
+def test_the_quantum_counts_from_the_requests_last_byte():
+    """A client holding the body back chose where the quantum fell (the reply came q - u + L after its last byte,
+    so bisecting u read L through any q; a review): the reply now comes a whole quantum after the last byte."""
+    quantum, held = 0.5, (0.1, 0.3)
+
+    async def main():
+        after = []
+        async with proxied(Defence(latency_quantum_ms=500), []) as proxy_port:
+            for u in held:
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+                body = json.dumps({"prompt": "x"}).encode()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+                await writer.drain()
+                await asyncio.sleep(u)
+                writer.write(body)
+                await writer.drain()
+                last = time.monotonic()
+                status = await reader.readline()
+                after.append((status, time.monotonic() - last))
+                writer.close()
+        return after
+
+    for status, seconds in asyncio.run(main()):
+        assert b" 200 " in status and seconds > quantum - 0.02 and abs(seconds - quantum * round(seconds / quantum)) < 0.06, seconds
 
 
 def test_every_top_list_is_defended_whatever_sits_beside_it():

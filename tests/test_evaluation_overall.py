@@ -158,8 +158,9 @@ def test_calibration_is_the_reference_platform_fit_and_the_live_attack_reads_it(
         load_calibration(path)
     for key, value, rule in (("beta", "abc", "is not a finite number"), ("alpha", None, "is not a finite number"),
                              ("q_L_eq10", -0.1, "is not a number >= 0 or null"), ("score_basic", "0.1", "is not a number >= 0 or null"),
-                             ("prefill", {"b": 1.0, "c": 0.0, "a": 0.0}, "is neither null nor finite b, c > 0, a"),
-                             ("prefill", [1, 2, 3], "is neither null nor finite b, c > 0, a"),
+                             ("prefill", {"b": 1.0, "c": 0.0, "a": 0.0}, "is neither null nor finite b > 0, c > 0, a"),
+                             ("prefill", [1, 2, 3], "is neither null nor finite b > 0, c > 0, a"),
+                             ("prefill", {"b": -1.0, "c": 1.0, "a": 0.0}, "is neither null nor finite b > 0, c > 0, a"),
                              ("rule_order", ["basic"], "is not an order of ['basic', 'eq10']")):  # hand-edited: one line, no TypeError
         path.write_text(json.dumps({**cal, key: value}))
         with pytest.raises(NVError, match=re.escape(f"{key} = {value!r} {rule}: use outputs/timing_fit")):
@@ -208,6 +209,11 @@ def test_the_prefill_curve_recovers_the_non_embedding_parameters_without_the_rat
     assert tied == SMOL["P"] and untied == SMOL["P"] + 49152 * 576 and mid == (tied + untied) / 2
     with pytest.raises(NVError, match="at least two reference models"):
         prefill.calibrate(refs[:1])
+    # a per-token cost that falls with ell (concave T) fits a negative attention cost b: refused, where it was used,
+    # and P_ne_hat grew with L_hat (more attention credited back)
+    concave = [r | {"T": list(np.array(r["T"]) - 2 * BETA * r["L"] * r["d"] * np.array(r["ell"], float) ** 2)} for r in refs]
+    with pytest.raises(NVError, match="b = -.* not both positive"):
+        prefill.calibrate(concave)
 
 
 def test_the_live_attack_reads_a_target_as_the_validation_does():

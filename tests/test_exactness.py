@@ -184,7 +184,8 @@ def test_noise_edge_tops_the_noise_outside_the_signal_directions():
 def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     """The adaptive loop's rounds and stop rule on the stored nested draws: the first round that meets the rule, with
     the true rank, found searching down from the stored N; every round below it fails the rule (checked here on all
-    of them, not only those the search assessed); the schedule is capped at the stored N."""
+    of them, not only those the search assessed); the schedule's rounds up to the stored N, which is no round where
+    it is off the loop's grid."""
     oracle, S, folder = toy
     sampling = {"N0": 250, "N_max": 10**6, "growth": 2.0}
     rounds, why = adaptive_replay(folder, sampling, SPECTRUM["robust"], 0)
@@ -209,6 +210,9 @@ def test_adaptive_replay_stops_at_the_first_stable_round(toy, tmp_path):
     assert not rounds[0].saturated
     capped, why = adaptive_replay(thin(folder, tmp_path / "capped", rounds[0].N, 0), sampling, SPECTRUM["robust"], 0)
     assert why == "stored draws" and capped == rounds[:1]
+    # stored draws between two of the loop's rounds: the loop's next round is beyond them, whatever they would say
+    off_grid, why = adaptive_replay(thin(folder, tmp_path / "off", int(1.9 * rounds[0].N), 0), sampling, SPECTRUM["robust"], 0)
+    assert why == "stored draws" and [r.N for r in off_grid] == [rounds[0].N]
     assert adaptive_replay(thin(folder, tmp_path / "few", 100, 0), sampling, SPECTRUM["robust"], 0) == ([], "stored draws")
     assert adaptive_replays(folder, sampling, SPECTRUM["robust"], 0, {}) == {}  # no view to replay (the defences stage's
     # when no setting saturates at the stored N)
@@ -233,11 +237,13 @@ def test_adaptive_stop_reads_the_loops_own_record(toy, tmp_path):
     assert adaptive_stop(looped, sampling, SPECTRUM["robust"], 0) == (record, "N_max")
 
 
-def test_budget_sweep_leaves_out_budgets_above_the_sample(toy):
-    """An adaptive sample that stopped below a sweep budget: the sweep keeps the budgets it has, and says so when none."""
+def test_budget_sweep_leaves_out_budgets_above_the_sample(toy, capsys):
+    """An adaptive sample that stopped below a sweep budget: the sweep keeps the budgets it has and names those it left
+    out (silently, until a review), and says so when none."""
     oracle, S, folder = toy
     table, _ = budget_sweep(folder, [1000, 16_000, 10**6], SPECTRUM, 0, oracle.rank)
     assert sorted(set(table.N)) == [1000, 16_000]
+    assert "budget sweep: 1,000,000 left out, above the sample's N = 16,000" in capsys.readouterr().err
     with pytest.raises(NVError, match="above the sample's N = 16,000"):
         budget_sweep(folder, [10**6], SPECTRUM, 0, oracle.rank)
 

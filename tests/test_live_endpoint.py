@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -29,7 +30,7 @@ from nv.oracle import journal as journal_module
 from nv.oracle.journal import Journal, request_key
 from nv.live import UNBOUND, binding
 from nv.models.llama_server import LlamaServer, free_port
-from nv.oracle.http import Budget, HTTPOracle, parse_reply
+from nv.oracle.http import Budget, HTTPOracle, Limits, parse_reply, split_credentials
 
 NV = [sys.executable, "-m", "nv.cli", "attack"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +209,6 @@ def test_client_errors_are_not_retried_and_server_errors_are(server, capsys):
     """A 4xx other than 408/425/429, or a 501 (a server that does not implement the call), is final: one line
     (an HTML error page reduced to its words), no retry, nothing paid; a 500 is retried, and said so on stderr
     unless the run is quiet."""
-    from nv.oracle.http import Limits
 
     limits = Limits(retries=3, backoff=0.01)
     for fault, message in (("400", r"refused the request: HTTP 400 injected: bad request$"),
@@ -251,7 +251,6 @@ def test_client_errors_are_not_retried_and_server_errors_are(server, capsys):
     ("100", 0.6, "0.6", 0.6),     # ... but never beyond live.backoff_max
 ])
 def test_retry_after_is_honoured(server, capsys, retry_after, backoff_max, chosen, low):
-    from nv.oracle.http import Limits
 
     limits = Limits(retries=2, backoff=0.01, backoff_max=backoff_max)
     with FaultProxy(server.base_url, {0: "429"}, retry_after=retry_after) as proxy, \
@@ -269,7 +268,6 @@ def test_call_and_money_caps_stop_the_run_before_they_are_passed(server):
     8 requests in flight at once the calls cap lets exactly 5 through and the money cap stops below its amount;
     every paid reply is journaled."""
     from nv.oracle.base import BudgetExhausted
-    from nv.oracle.http import Limits
 
     limits = Limits(concurrency=8, retries=0)
     with FaultProxy(server.base_url) as proxy, \
@@ -500,6 +498,40 @@ def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path,
             assert "wrong" not in str(err.value) and "refused the credentials (HTTP 401)" in str(err.value)
 
 
+def test_refusals_redirects_and_malformed_urls_say_what_they_are(server, monkeypatch):
+    """A server whose model list is open but whose completions want a key (llama.cpp with --api-key) names the unset
+    variable at the first paid call; a base URL that redirects names where to (it read as "not an OpenAI model
+    list"); a host name IDNA refuses and a password with an unescaped '/' are one-line errors, the latter without
+    echoing the password (it reached the journal's first line and the error). All four from a review."""
+    with FaultProxy(server.base_url, mode="401post") as proxy, \
+            HTTPOracle(proxy.url, server.model_name, api_key_env="NV_TEST_UNSET_KEY", limits=Limits(retries=0)) as oracle:
+        oracle.preflight()
+        with pytest.raises(NVError, match=re.escape("set the API key variable ($NV_TEST_UNSET_KEY)")) as err:
+            oracle.argmax(["Hello"])
+        assert "refused the credentials (HTTP 401" in str(err.value)
+    with FaultProxy(server.base_url, mode="301") as proxy, HTTPOracle(proxy.url, server.model_name) as oracle, \
+            pytest.raises(NVError, match=re.escape("redirects (HTTP 301) to https://example.invalid/v1/models")):
+        oracle.preflight()
+    for host in ("a..b", "x" * 64 + ".com"):
+        with HTTPOracle(f"http://{host}/v1", "m") as oracle, pytest.raises(NVError, match="cannot reach") as err:
+            oracle.preflight()
+        assert "\n" not in str(err.value)
+    with pytest.raises(NVError, match="percent-encode a '/', '[?]' or '#'") as err:
+        split_credentials("http://auditor:s3cr/et@127.0.0.1:18777/ok/v1")
+    assert "s3cr" not in str(err.value) and "auditor" not in str(err.value)
+
+
+def test_retry_after_as_an_http_date():
+    """Retry-After's date form (RFC 9110) was dropped: the client waited its 0.01 s backoff instead of 30 s."""
+    from email.utils import format_datetime
+
+    with HTTPOracle("http://127.0.0.1:9/v1", "m", limits=Limits(backoff=0.01, backoff_max=60.0)) as oracle:
+        ahead = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
+        assert 27.0 < oracle._backoff(0, ahead) <= 30.0
+        assert oracle._backoff(0, format_datetime(datetime.now(timezone.utc) + timedelta(hours=1), usegmt=True)) == 60.0
+        assert oracle._backoff(0, "not a date") <= 0.02
+
+
 def test_a_larger_budget_on_the_same_journal_reuses_every_paid_reply(baseline, server, root, tmp_path):
     """N and live.columns are not bound to the journal: they change how many requests the attack makes and how
     the draws are stored, not what a request asks; raised after a run, only the new calls are paid."""
@@ -637,6 +669,14 @@ def test_malformed_log_probabilities_are_one_line_errors():
         with pytest.raises(NVError, match="log-probabilities are malformed") as err:
             parse_reply(reply(bad), chat=True, top_logprobs=0)
         assert "\n" not in str(err.value)
+    # usage counts that would undercount the cost and fail the sample's checks after the run had paid (a review:
+    # Ollama's 0 for a cached prompt; Infinity, which Python's JSON reader takes, was an OverflowError)
+    for usage in ({"prompt_tokens": 0}, {"prompt_tokens": -5}, {"prompt_tokens": float("inf")}, {"prompt_tokens": "3"},
+                  {"prompt_tokens": True}, {"prompt_tokens": 2.5}, {"prompt_tokens": 3, "completion_tokens": -1}):
+        with pytest.raises(NVError, match="usage counts are not whole token counts") as err:
+            parse_reply(reply(good) | {"usage": usage}, chat=True, top_logprobs=0)
+        assert "\n" not in str(err.value)
+    assert parse_reply(reply(good) | {"usage": {"prompt_tokens": 3.0}}, chat=True, top_logprobs=0)["p"] == 3
     # vLLM's bytes are its decoded text re-encoded: every partial UTF-8 token comes as U+FFFD, ef bf bd, which named them
     # all one token (one column, their counts and log-probs merged); OpenAI's own bytes still name them apart
     lossy = {"token": "\ufffd", "logprob": -3.0, "bytes": list("\ufffd".encode()), "top_logprobs": []}
@@ -1065,6 +1105,15 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
                                     "--budget-calls", "45"))
     assert capped.returncode == 2 and "with phase 2's 30 timed calls needs 68 calls > --budget-calls 45" in capped.stderr
     assert not (tmp_path / "out4").exists() or not (tmp_path / "out4" / "report.json").exists()
+    # a tokens cap of phase 1's and phase 2's bills exactly is too small: the last timed call reserves twice the
+    # longest prompt before its bill is known, so phase 2 could stop a call short after phase 1 was paid (a review:
+    # 2 runs of 6); the check counts the reservation and refuses before anything is sent
+    planned = json.loads(dry.stdout.strip().splitlines()[-1])
+    bills, held = planned["tokens_billed"] + planned["phase2"]["tokens_billed"], planned["tokens_billed"] + planned["phase2"]["tokens_held"]
+    assert held > bills
+    tight = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", *timed_args,
+                                   "--budget-tokens", str(bills)))
+    assert tight.returncode == 2 and f"needs {held:,} tokens > --budget-tokens {bills:,}" in tight.stderr, tight.stderr[-2000:]
     # a context too short for App. D's sweep (p_max - 200) is refused before anything is paid; it used to give phase 2
     # a negative token bound, which widened the cap phase 1 ran under (a run paid past --budget-tokens)
     for short in ("100", "200"):

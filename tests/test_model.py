@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nv.errors import NVError
-from nv.models.loading import load_model, resolve
+from nv.models.loading import architecture, load_model, resolve
 from nv.models.packaged import PACKAGED
 from nv.oracle.prompts import PromptFormat
 
@@ -122,6 +122,16 @@ def test_truncated_or_foreign_gguf_and_a_bare_folder_are_one_line_errors(tmp_pat
     (tmp_path / "folder").mkdir()
     with pytest.raises(NVError, match="has no config.json"):
         resolve(str(tmp_path / "folder"))
+    # a model transformers cannot build (an unknown model_type) and one without attention (a state-space model) were
+    # tracebacks (ValueError, AttributeError: a review)
+    (tmp_path / "folder" / "config.json").write_text('{"model_type": "foo"}')
+    with pytest.raises(NVError, match="cannot load model .*folder") as err:
+        load_model(str(tmp_path / "folder"), dtype="float32", cache_dir=cache)
+    assert "\n" not in str(err.value)
+    from transformers import MambaConfig, MambaForCausalLM
+
+    with pytest.raises(NVError, match="model type 'mamba' is not a transformer decoder"):
+        architecture(MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=64, state_size=4)))
 
 
 def test_bad_dtype_is_refused():

@@ -187,6 +187,9 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
          "'validation.models.qwen-0_5b.trials' = 5 is below every overall.trials budget (6, 10)"),
         (lambda p: (p["overall"].update(trials=[3, 10]), p["timing"].update(trim=0.34)),
          "'timing.trim' = 0.34 on overall.trials = 3 keeps fewer than 2 trials"),
+        # found after the model's sweeps were timed (a review)
+        (lambda p: (p["overall"].update(trials=[10]), p["timing"].update(trim=0.4)),
+         "'timing.trim' = 0.4 on validation.models.qwen-0_5b.trials = 5 keeps fewer than 2 trials"),
     ],
 )
 def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, edit, message):

@@ -325,3 +325,15 @@ def test_diverse_mode_draws_fresh_prompts_every_round(sim):
     assert sum(sum(a != b for a, b in zip(p, best)) <= 1 for p in res.prompts[20:]) < 5  # not variants of the best
     with pytest.raises(NVError, match="search mode"):
         search_prompts(sim, D=1, rounds=1, batch_size=1, explore_rounds=1, threshold=0.5, seed=0, mode="greedy")
+
+
+def test_entropy_and_top_k_mass_of_masked_and_one_hot_rows():
+    """A token of probability 0 (log-prob -inf: masked, or a one-hot row) adds 0 log 0 = 0 to the entropy, where it
+    made the row's entropy NaN; top_k_mass needs k >= 1 (k = 0 returned the whole mass)."""
+    from nv.phase1.entropy import entropy_nats, top_k_mass
+    with np.errstate(divide="ignore"):
+        rows = np.log(np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0], [0.25, 0.25, 0.5]]))
+    assert np.allclose(entropy_nats(rows), [np.log(2), 0.0, 1.5 * np.log(2)])
+    assert np.allclose(top_k_mass(rows, 1), [0.5, 1.0, 0.5]) and np.allclose(top_k_mass(rows, 5), 1.0)
+    with pytest.raises(ValueError, match="k >= 1"):
+        top_k_mass(rows, 0)

@@ -196,6 +196,23 @@ def test_a_damaged_cached_reference_gguf_is_written_again(lm32, tmp_path, monkey
     assert platforms._gguf_for(model, 0) == path and path.read_bytes() == whole
 
 
+def test_a_reference_llamacpp_cannot_serve_fails_before_any_platform_is_timed(lm32, tmp_path, monkeypatch):
+    """A d_ffn off llama.cpp's 32-weight blocks failed in gguf's quantiser (QuantError) after the in-process sweep had
+    been timed, and again at every rerun (a review): now a one-line error naming the entry, before any timing."""
+    from nv.phase2 import platforms
+
+    monkeypatch.setattr(platforms, "default_cache_dir", lambda: tmp_path)
+    shape = shape_from_entry({"d": 128, "L": 1, "n_kv_heads": 1, "d_ffn": 1000}, lm32.arch.vocab_size, 512)
+    model = platforms.TimedModel("odd", "reference", random_llama(shape, lm32.tokenizer, "float32", 0, "odd"), 128, 64, 1000,
+                                 512, synthetic=True)
+    timing = {"platforms": {"inprocess": {"references": "all", "r": 0.1, "trials": 2, "threads": 1},
+                            "llamacpp": {"references": "all", "r": 0.1, "trials": 2, "threads": 1}},
+              "n_lengths": 6, "discard": 2}
+    with pytest.raises(NVError, match="reference odd: d_ffn = 1000 is not a multiple of 32") as err:
+        platforms.time_model(model, timing, 0, tmp_path / "out", tmp_path / "ck", progress=False)
+    assert "\n" not in str(err.value) and not list((tmp_path / "out").iterdir())
+
+
 def _record(name, role, L, d, d_used, beta, alpha, platform, rng, k=1.0):
     """A timing record as time_model writes it, with T from Eq. 2 (times k) plus 1 % noise."""
     ell = np.linspace(0.5, 1.5, 16) * 5 * d

@@ -27,7 +27,7 @@ from nv.phase2.fit import (
     trimmed_stats,
     weighted_line,
 )
-from nv.phase2.live import timing_cost
+from nv.phase2.live import _sweep, timing_cost
 
 BETA, ALPHA = 2.3e-15, 0.04  # seconds per unit of L ell^2 d, seconds
 MODELS = [(16, 2048), (24, 3072), (28, 3584), (32, 4096), (40, 5120)]  # (L, d)
@@ -78,7 +78,13 @@ def test_sweep_cap_and_errors():
         sweep_lengths(4096, 1024, 14336, 8192, fit=14)
     cal = {"r": 0.6, "trials": 100, "warmups": 3, "trim": 0.1, "n_lengths": 24, "discard": 12, "kv_ratio": 0.25,
            "ffn_ratio": 3.5}
-    assert timing_cost(cal, 4000, 8192)["requests"] == 3 + 100 * 25  # 24 lengths and the ell = 1 baseline
+    cost = timing_cost(cal, 4000, 8192)
+    assert cost["requests"] == 3 + 100 * 25  # 24 lengths and the ell = 1 baseline
+    # the budget keeps the last call's reservation beside the bill: twice the longest prompt, as HTTPOracle reserves a
+    # prompt it has not seen (held to the bill alone, a cap of exactly the plan stopped phase 2 a few calls short)
+    longest = int(_sweep(cal, 4000, 8192).max())
+    assert cost["tokens_billed"] == 3 * longest + 100 * (int(_sweep(cal, 4000, 8192).sum()) + 1) + cost["requests"]
+    assert cost["tokens_held"] == cost["tokens_billed"] + 2 * longest
     with pytest.raises(NVError, match=r"phase 2 cannot sweep d_hat = 4096 under --context-length 8192 \(.*give the"):
         timing_cost(cal, 4096, 8192)  # the plan's check (--timing-d-hat), before phase 1 is paid
 

@@ -111,7 +111,10 @@ def architecture(model) -> Architecture:
     """d, L, |V|, heads, kv heads, d_ffn, tying and total parameters from the config."""
     cfg = model.config
     text_cfg = getattr(cfg, "text_config", None) or cfg
-    n_heads = text_cfg.num_attention_heads
+    n_heads = getattr(text_cfg, "num_attention_heads", None)
+    if not n_heads:
+        raise NVError(f"model type {getattr(cfg, 'model_type', '?')!r} is not a transformer decoder (its config has no "
+                      "attention heads): the attack's phase 2 and the report need one")
     return Architecture(
         d=text_cfg.hidden_size,
         L=text_cfg.num_hidden_layers,
@@ -155,9 +158,9 @@ def _from_pretrained(source: str, gguf: str | None, dtype: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
-    except OSError as exc:
-        hint = " (offline: HF_HUB_OFFLINE=1)" if offline else ""
-        raise NVError(f"cannot load model '{source}'{hint}: {str(exc).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError) as exc:  # ValueError, KeyError: an architecture transformers cannot build
+        hint = " (offline: HF_HUB_OFFLINE=1)" if offline and isinstance(exc, OSError) else ""
+        raise NVError(f"cannot load model '{source}'{hint}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
     return model, tokenizer
 
 

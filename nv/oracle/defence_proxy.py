@@ -46,19 +46,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from nv.errors import NVError
-from nv.oracle.defence import Defence, check_untruncating, http_truncation_fields, listed_survivors, quantise
+from nv.oracle.defence import REQUEST_FIELDS, Defence, check_untruncating, http_truncation_fields, listed_survivors, quantise
 from nv.oracle.http import split_credentials
-from nv.params import REQUEST_FIELDS as ATTACK_FIELDS
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
-# request fields passed on: OpenAI's, and vLLM's and llama.cpp's that leave the temperature, the truncation, the
-# log-probs' form and the timing to the proxy (the attack's own, nv.params.REQUEST_FIELDS, among them)
-REQUEST_FIELDS = ATTACK_FIELDS | {
-    "suffix", "top_k", "top_p", "min_p", "stop", "stop_token_ids", "user", "prompt_logprobs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "add_generation_prompt", "continue_final_message",
-    "add_special_tokens", "chat_template", "chat_template_kwargs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls", "length_penalty", "metadata", "store", "service_tier", "reasoning_effort", "modalities"}
 # what a defended reply keeps (by level); every log-prob field among them is defended by defend_reply
 REPLY_FIELDS = {
     "reply": {"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "service_tier", "prompt_logprobs"},
@@ -147,18 +138,28 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
             y = y + noise.setdefault(key, defence.noise_sigma * rng.standard_normal())
         return float(quantise(np.array([y], dtype=np.float64), defence)[0])
 
-    def prompt_logprobs(positions, where: tuple) -> None:  # vLLM: [None | {token_id: {logprob, rank, decoded_token}}]
-        for i, top in enumerate(positions or []):
-            for token, entry in (top or {}).items():
+    def prompt_logprobs(obj: dict, where: tuple) -> None:  # vLLM: [None | {token_id: {logprob, rank, decoded_token}}]
+        positions = obj.get("prompt_logprobs")
+        if positions is not None and not isinstance(positions, list):
+            obj["prompt_logprobs"] = None  # a shape not known: dropped, not passed on undefended
+        for i, top in enumerate(positions if isinstance(positions, list) else []):
+            if not isinstance(top, dict):
+                positions[i] = None
+                continue
+            for token, entry in top.items():
                 if isinstance(entry, dict):
                     entry["logprob"] = value(entry.get("logprob"), (*where, i, token))
+                else:
+                    top[token] = None
 
-    prompt_logprobs(reply.get("prompt_logprobs"), ("prompt",))
+    prompt_logprobs(reply, ("prompt",))
     choices = reply.get("choices") or []
     for c, choice in enumerate(choices):
         choice = choices[c] = _known(choice, "choice")
-        prompt_logprobs(choice.get("prompt_logprobs"), ("prompt", c))
+        prompt_logprobs(choice, ("prompt", c))
         if not isinstance(choice.get("logprobs"), dict):
+            if "logprobs" in choice:
+                choice["logprobs"] = None  # a shape not known: dropped, not passed on undefended
             continue
         lp = choice["logprobs"] = _known(choice["logprobs"], "logprobs")
         for part in ("content", "refusal"):  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
@@ -166,6 +167,8 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                 lp[part] = [_known(entry, "entry") for entry in lp[part]]
             for i, entry in enumerate(lp.get(part) or []):
                 entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("id", entry.get("token"))))
+                if "top_logprobs" in entry and not isinstance(entry["top_logprobs"], list):
+                    entry["top_logprobs"] = None  # a shape not known
                 if isinstance(entry.get("top_logprobs"), list):
                     tops = [_known(top, "entry") for top in entry["top_logprobs"] if isinstance(top, dict)]
                     same = "id" if "id" in entry else "token"  # a token's text may be shared; its id is not
@@ -217,12 +220,14 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
         await app[SESSION].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
-        start = time.monotonic()
         data = await request.read()
+        start = time.monotonic()  # after the body: a client holding it back would otherwise pick where the quantum falls
         defended = request.method not in PASSED
         segments = unquote(request.raw_path.split("?")[0]).split("/")
         if "." in segments or ".." in segments:  # the upstream would resolve them: /v1/models/../../metrics is /metrics
             return _error(400, f"a path with '.' or '..' segments is not forwarded: {request.path}")
+        if any(c in request.path for c in "%?#"):  # decoded again on the way up: %252E%252E is '..', %3F a query
+            return _error(400, f"a path with an escaped '%', '?' or '#' is not forwarded: {request.raw_path}")
         model = request.path.startswith(("/v1/models/", "/models/")) and request.path.rstrip("/").count("/") <= 3
         if not defended and request.path.rstrip("/") not in READABLE and not model:
             return _error(403, f"only {', '.join(READABLE)} are readable through the proxy, not {request.method} "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import email.utils
 import hashlib
 import html
 import json
@@ -38,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -59,6 +61,10 @@ def split_credentials(base_url: str) -> tuple[str, dict]:
     """(the base URL without ``user:password@``, the HTTP Basic ``Authorization`` header it carried, or {}):
     the URL goes into journals, reports and errors, the credentials only into request headers."""
     public = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@", r"\1", base_url)  # also where urlsplit fails on the rest
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^?#]*@", public):  # an '@' past the host: a password's unescaped '/'
+        hidden = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^?#]*@", r"\1...@", base_url)
+        raise NVError(f"base URL {hidden!r} has an '@' after its host: percent-encode a '/', '?' or '#' in its user or "
+                      "password (%2F, %3F, %23)")
     try:
         parts = urlsplit(base_url)
         user, password = parts.username, parts.password
@@ -136,6 +142,20 @@ def token_key(entry: dict | None) -> str | None:
     return "s:" + text
 
 
+def usage_counts(usage) -> dict:
+    """A reply's ``usage`` as the journal's {"p": prompt tokens >= 1, "o": output tokens >= 0}: whole numbers (a zero
+    or negative count, or Infinity, would undercount the §5 cost and the caps, and fail the sample's checks after the
+    run had paid for it)."""
+    counts = {"p": usage["prompt_tokens"], "o": usage.get("completion_tokens") or 0}
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) \
+                or value < (1 if key == "p" else 0):
+            raise NVError(f"reply's usage counts are not whole token counts (prompt_tokens >= 1, completion_tokens >= 0): "
+                          f"{json.dumps(usage)[:200]}: its cost cannot be counted")
+        counts[key] = int(value)
+    return counts
+
+
 def parse_reply(data, chat: bool, top_logprobs: int) -> dict:
     """The journal record of one reply: per choice [token key, log-prob, top entries], usage.
 
@@ -145,8 +165,7 @@ def parse_reply(data, chat: bool, top_logprobs: int) -> dict:
     """
     try:
         choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
-        usage = data["usage"]
-        record = {"c": [], "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+        record = {"c": []} | usage_counts(data["usage"])
     except (KeyError, TypeError, ValueError, AttributeError):
         raise NVError(f"reply is not an OpenAI completion (no choices/usage): {canonical(data)[:200]}") from None
     for choice in choices:
@@ -287,13 +306,13 @@ class HTTPOracle(Oracle):
         url = f"{self.base_url}/models"
         try:
             r = httpx.get(url, headers=self._headers, timeout=min(self.limits.timeout, 30))
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
             raise NVError(f"cannot reach {url}: {type(exc).__name__} {exc}".strip()) from None
         if r.status_code in (401, 403):
-            env, given = self._key_env
-            fix = ("check the user and password in the URL" if self._basic_auth else
-                   f"${env} is set, but not to a key it accepts: check its value" if given else f"set the API key variable (${env})")
-            raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): {fix}")
+            raise NVError(f"{url} refused the credentials (HTTP {r.status_code}): {self._credentials_fix()}")
+        if 300 <= r.status_code < 400:
+            raise NVError(f"{url} redirects (HTTP {r.status_code}) to {r.headers.get('location', '?')}: give the endpoint's "
+                          "own URL as --base-url")
         try:
             data = r.json()
             served = [str(m["id"]) for m in data["data"]]
@@ -303,6 +322,12 @@ class HTTPOracle(Oracle):
                           "is this an OpenAI-compatible base URL ending in /v1?") from None
         if self.model not in served:
             raise NVError(f"model {self.model!r} is not served at {self.base_url} (it serves: {', '.join(served) or 'nothing'})")
+
+    def _credentials_fix(self) -> str:
+        """What to do about a refused key or password (HTTP 401/403)."""
+        env, given = self._key_env
+        return ("check the user and password in the URL" if self._basic_auth else
+                f"${env} is set, but not to a key it accepts: check its value" if given else f"set the API key variable (${env})")
 
     def probe(self) -> None:
         """Two paid requests (journaled) on a low-entropy prompt: n = max(2, n_per_request) samples at
@@ -629,6 +654,8 @@ class HTTPOracle(Oracle):
                 seconds = time.perf_counter() - start
                 if r.status_code in TRANSIENT or (r.status_code >= 500 and r.status_code not in (501, 505)):
                     raise _Retry(f"HTTP {r.status_code} {_detail(r)}".strip(), r.headers.get("retry-after"))
+                if r.status_code in (401, 403):  # a server may leave its model list open and guard its completions
+                    raise NVError(f"{url} refused the credentials (HTTP {r.status_code} {_detail(r)}): {self._credentials_fix()}")
                 if r.status_code >= 400:
                     raise NVError(f"{url} refused the request: HTTP {r.status_code} {_detail(r)}")
                 if r.status_code >= 300:  # redirects are not followed: a POST's body would not survive all of them
@@ -649,8 +676,7 @@ class HTTPOracle(Oracle):
             else:
                 if timed:
                     try:
-                        usage = data["usage"]
-                        return {"t": seconds, "p": int(usage["prompt_tokens"]), "o": int(usage.get("completion_tokens") or 0)}
+                        return {"t": seconds} | usage_counts(data["usage"])
                     except (KeyError, TypeError, ValueError, AttributeError):
                         raise NVError(f"reply has no usage.prompt_tokens count: {canonical(data)[:200]}") from None
                 return parse_reply(data, self.chat, self.top_logprobs)
@@ -686,9 +712,15 @@ class HTTPOracle(Oracle):
         delay = min(self.limits.backoff_max, base + random.uniform(0, base))
         if retry_after:
             try:
-                delay = max(delay, min(float(retry_after), self.limits.backoff_max))
-            except ValueError:
-                pass
+                wait = float(retry_after)
+            except ValueError:  # the header's other form, an HTTP date (RFC 9110)
+                try:
+                    when = email.utils.parsedate_to_datetime(retry_after)
+                    wait = (when.replace(tzinfo=when.tzinfo or timezone.utc) - datetime.now(timezone.utc)).total_seconds()
+                except (TypeError, ValueError):
+                    wait = 0.0
+            if math.isfinite(wait):
+                delay = max(delay, min(wait, self.limits.backoff_max))
         return delay
 
 

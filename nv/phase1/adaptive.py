@@ -24,7 +24,8 @@ saturated with its lower bound and the cost of the next round.
 
 Each finished round is a sampling folder (``nv.phase1.sampling.collect``) under the checkpoint root, keyed by
 the round's seed and size: a rerun after a stop redoes no finished round (the estimates that chose each next
-size are recomputed, so the same rounds follow), and on an endpoint the journal answers every request already
+size are recomputed, so the same rounds follow; a round cut short at ``N_max`` is drawn again at its own size once
+N_max is raised, and its short folder removed), and on an endpoint the journal answers every request already
 paid for. The rounds run inside ``oracle.repeats()``: the simulator keeps the prompts' logits, so only the first
 round runs forward passes.
 """
@@ -215,6 +216,7 @@ def sample_adaptive(
         report = (lambda line: tqdm.write(line, file=sys.stderr)) if progress else (lambda line: None)
     N_max, growth = sampling["N_max"], sampling["growth"]
     N, previous = sampling["N0"], 0
+    uncapped = N  # the round's size before the cap at N_max
     check_rounds(N, N_max, growth)
     work = Path(checkpoint_root) / "adaptive-merged"  # the rounds merged so far and the check's thinned copy
     rounds, merged, S = [], None, None  # S: the merged sample's cost (its prompts' tokens, N, tau)
@@ -242,6 +244,8 @@ def sample_adaptive(
                         why = f"round {r} (N = {N:,}, {_tokens(S, delta):.3g} more tokens) not affordable: {exc}"
                         report(f"stopped: {why}")
                         break
+                    for other in _resized(folder, meta):
+                        shutil.rmtree(other, ignore_errors=True)
                 if merged is None:
                     merged = folder
                 else:  # on disk, not in memory: a round's estimate holds the mask of the merged sample, not its values
@@ -257,11 +261,15 @@ def sample_adaptive(
                 if nxt is None:
                     why = "stable" if stable else "N_max"
                     if not stable:  # what going on would cost, at the prompts' measured tokens
-                        more = next_budget(N, done.saturated, sys.maxsize, growth)
+                        # a round N_max cut short is drawn again at its own size: the next round the loop runs
+                        more = uncapped if uncapped > N else next_budget(N, done.saturated, sys.maxsize, growth)
+                        again = (f"; round {r} is drawn again at that size (an endpoint's journal answers what it paid)"
+                                 if uncapped > N else "")
                         report(f"stopped: N_max = {N_max:,} reached, the estimate not yet stable; the next round (N = {more:,}) "
-                               f"would cost {_tokens(S, more - N):.3g} more tokens (§5): raise sampling.N_max and rerun "
-                               "the same command")
+                               f"would cost {_tokens(S, more - N):.3g} more tokens (§5){again}: raise sampling.N_max to "
+                               f"at least {more:,} and rerun the same command")
                     break
+                uncapped = next_budget(N, done.saturated, sys.maxsize, growth)
                 previous, N = N, nxt
         _publish(merged, work, Path(out_dir), {"adaptive": [asdict(x) for x in rounds], "stop": why})
     finally:  # the merged samples and the check's copy, also when the loop is stopped
@@ -281,6 +289,21 @@ def _publish(merged: Path, work: Path, out_dir: Path, extra: dict) -> None:
 def _tokens(S: SampledMatrix, calls: int) -> int:
     """§5 tokens of ``calls`` more calls per prompt of sample ``S``, at its prompts' measured tokens (prompt + 1 each)."""
     return int((S.prompt_tokens.astype(np.int64) + 1).sum()) * calls
+
+
+def _resized(folder: Path, meta: dict) -> list[Path]:
+    """The folders of round ``folder``'s draws at another size (``meta`` but N; a round cut short at an earlier
+    ``N_max``): superseded once this one is finished."""
+    same = {k: v for k, v in meta.items() if k not in ("N", "chunk")}
+    found = []
+    for other in folder.parent.glob("-".join(folder.name.split("-")[:3]) + "-*"):
+        try:
+            theirs = json.loads((other / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if other != folder and isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k not in ("N", "chunk")} == same:
+            found.append(other)
+    return found
 
 
 def _finished(folder: Path) -> bool:

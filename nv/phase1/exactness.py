@@ -178,8 +178,8 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     an exact N_r-call sample, but drawn independently of the other rounds', where the live loop's rounds are nested:
     each round's outcome is distributed as the loop's, their joint law is not), its check the view of those calls
     thinned to N_r / sqrt(2); both are thinned from disk (``_assess_at``), and views at the same N share the
-    thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule``, capped at the stored
-    N), then as the loop picks them (``after``).
+    thinning. The rounds are the loop's: growth x up to the first saturated one (``schedule`` to N_max, those up to
+    the stored N: a stored N off that grid is no round of the loop's), then as the loop picks them (``after``).
 
     Searched down from the stored N for the first saturated round: the growth rounds are assessed from the top while
     saturated; taking every round below an unsaturated one as unsaturated too (more calls per prompt only grow the
@@ -190,7 +190,7 @@ def adaptive_replays(folder: str | Path, sampling: dict, robust: dict, seed: int
     N (the live loop would go on; no round at all when that N < N_0)."""
     N0, N_max, growth = sampling["N0"], sampling["N_max"], sampling["growth"]
     N_all = manifest(folder)["N"]
-    plan = schedule(N0, min(N_max, N_all), growth) if N_all >= N0 else []
+    plan = [n for n in schedule(N0, N_max, growth) if n <= N_all]
     down = {key: [] for key in views}  # the growth rounds assessed and whether each met the rule, top down
     path, ahead, why = {}, {}, {}
 

@@ -175,6 +175,10 @@ def search_and_sample(oracle, params: dict, out_dir: Path, checkpoint_root: Path
     sampling and spectrum sections: writes ``prompts.json`` and ``samples/`` under ``out_dir``; returns the samples
     folder, the search's cost and the adaptive rounds (empty at a fixed N), which ``estimate_and_report`` adds."""
     search, sampling = params["search"], params["sampling"]
+    if sampling["N"] == "auto":  # the rounds' check before the search pays (it came after it)
+        from nv.phase1.adaptive import check_rounds
+
+        check_rounds(sampling["N0"], sampling["N_max"], sampling["growth"])
     result = search_prompts(oracle, search["D"], search["rounds"], search["batch_size"], search["explore_rounds"],
                             search["threshold"], seed=params["seed"], length=search["length"], mode=search["mode"],
                             progress=progress)

@@ -12,6 +12,7 @@ when not.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -32,6 +33,9 @@ def budget_sweep(folder: str | Path, budgets: list[int], spectrum: dict, seed: i
     kept = sorted(N for N in budgets if N <= N_all)
     if not kept:
         raise NVError(f"every sweep budget {sorted(budgets)} is above the sample's N = {N_all:,}: lower sweep.budgets")
+    if len(kept) < len(budgets):  # said, not silent: a reader of the table would take them for missing rows
+        print(f"budget sweep: {', '.join(f'{N:,}' for N in sorted(set(budgets) - set(kept)))} left out, above the sample's "
+              f"N = {N_all:,}", file=sys.stderr)
     rows, smallest = [], None
     for N in kept:
         with thinned_folder(folder, N, seed) as at:

@@ -62,8 +62,9 @@ def load_calibration(path: Path) -> dict:
     if not (isinstance(cal["rule_order"], list) and sorted(map(str, cal["rule_order"])) == sorted(ESTIMATORS)):
         problems.append(f"rule_order = {cal['rule_order']!r} is not an order of {sorted(ESTIMATORS)}")
     curve = cal["prefill"]
-    if curve is not None and not (isinstance(curve, dict) and all(_number(curve.get(k)) for k in "bca") and curve["c"] > 0):
-        problems.append(f"prefill = {curve!r} is neither null nor finite b, c > 0, a")
+    if curve is not None and not (isinstance(curve, dict) and all(_number(curve.get(k)) for k in "bca")
+                                  and curve["b"] > 0 and curve["c"] > 0):
+        problems.append(f"prefill = {curve!r} is neither null nor finite b > 0, c > 0, a")
     if problems:
         raise NVError(f"timing calibration {path}: {problems[0]}: use outputs/timing_fit/calibration.json")
     # the protocol as params.yaml's timing section allows it, checked before phase 1 pays for anything

@@ -43,14 +43,16 @@ def _sweep(cal: dict, d_hat: int, p_max: int) -> np.ndarray:
 def timing_cost(cal: dict, d_hat: int | None, p_max: int) -> dict:
     """Phase 2's requests and billed tokens on the endpoint: App. D's warm-ups (at the longest length), the ell = 1
     baseline and K trials at each length of the sweep of d_hat, one output token each. Without d_hat (phase 1 finds
-    it) a bound: every length at the longest any sweep reaches, p_max - 200."""
+    it) a bound: every length at the longest any sweep reaches, p_max - 200. ``tokens_held``: what the budget keeps
+    for it, its billed tokens and the reservation of its last call beyond them (a timed prompt is new to the client,
+    which reserves twice the longest prompt seen for it: ``HTTPOracle._call``)."""
     if p_max <= 200:
         raise NVError(f"--context-length {p_max} leaves no room for App. D's sweep, which stops 200 tokens short of the "
                       "context: give the endpoint's own context length (default 8192)")
     lengths = _sweep(cal, d_hat, p_max) if d_hat is not None else np.full(cal["n_lengths"] + 1, p_max - 200)
     requests = cal["warmups"] + cal["trials"] * (len(lengths) + 1)
     tokens = cal["warmups"] * int(lengths.max()) + cal["trials"] * (int(lengths.sum()) + 1) + requests
-    return {"requests": requests, "tokens_billed": tokens, "bound": d_hat is None}
+    return {"requests": requests, "tokens_billed": tokens, "tokens_held": tokens + 2 * int(lengths.max()), "bound": d_hat is None}
 
 
 def timing_phase(oracle: Oracle, d_hat: int | None, cal: dict, k: float, p_max: int, vocab_size: int | None,

@@ -168,6 +168,8 @@ def time_model(model: TimedModel, timing: dict, seed: int, out_dir: Path, checkp
     (``time_platform``'s record) to ``out_dir`` and return them by platform."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    if "llamacpp" in platforms_of(model, timing):  # a model that platform cannot serve fails before any platform is timed
+        _gguf_for(model, seed)
     for platform in platforms_of(model, timing):
         cfg = timing["platforms"][platform]
         checkpoint = checkpoints / f"timing-{model.name}-{platform}.jsonl"

@@ -50,8 +50,9 @@ def calibrate(records: list[dict]) -> PrefillCalibration:
         w.append(1.0 / np.maximum(sigma, 1e-12))
     X, y, w = np.concatenate(X), np.concatenate(y), np.concatenate(w)
     b, c, a = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
-    if not c > 0:
-        raise NVError(f"prefill calibration: per-parameter cost c = {c:.3g} s is not positive (timings too noisy)")
+    if not (b > 0 and c > 0):  # the law's attention and per-parameter costs: a time, neither a credit
+        raise NVError(f"prefill calibration: attention cost b = {b:.3g} s and per-parameter cost c = {c:.3g} s are not "
+                      "both positive (timings too noisy)")
     return PrefillCalibration(float(b), float(c), float(a))
 
 
