@@ -51,8 +51,8 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
             said = f"raw {r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else f"d >= {r.lower_bound:.0f}"
             ax.scatter(r.N, g.D.max(), marker="v", s=90, color="tab:blue", edgecolors="k", zorder=4, transform=above)
             verdict = (f"stops at N = {r.N:.2g}" if r.stop == "stable" else
-                       f"no stop by its round at N = {r.N:.2g} (the next one is past the draws)")
-            ax.annotate(f"adaptive (D = {g.D.max():,}): {said}, {verdict}", (r.N, g.D.max()), textcoords="offset points",
+                       f"no stop by N = {r.N:.2g} (its next round: past the draws)")
+            ax.annotate(f"adaptive (D = {g.D.max():,}): {said},\n{verdict}", (r.N, g.D.max()), textcoords="offset points",
                         xytext=(0, 34), ha="center", fontsize=7, color="tab:blue")
         N_lo, N_hi = g.N.min() / 2, g.N.max() * 2
         D_lo, D_hi = g.D.min() / 1.6, g.D.max() * (3.2 if len(stops) else 1.6)
