@@ -194,9 +194,10 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
     for (knob, setting), (rounds, why) in rows.items():
         row = {"knob": knob, "setting": setting, "stop": why, "N": None, "tokens": None, "calls": None,
                "d_hat_raw": None, "lower_bound": None, "outcome": f"no stop by N = {budget['N']:,}"}
-        if rounds:
+        if rounds:  # the loop's last round (its next is past the draws where it did not stop)
             last = rounds[-1]
-            row |= {"N": last["N"], "tokens": last["tokens"], "calls": last["calls"], "lower_bound": last["lower_bound"]}
+            row |= {"N": last["N"], "tokens": last["tokens"], "calls": last["calls"], "lower_bound": last["lower_bound"],
+                    "outcome": f"no stop by N = {last['N']:,}"}
         if why == "stable":
             lo, hi = d_interval(last["d_hat_raw"], None)
             row |= {"d_hat_raw": last["d_hat_raw"], "lower_bound": None,

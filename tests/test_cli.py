@@ -117,8 +117,10 @@ def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, 
     # the rounds and the stop go to stderr beside the bars; stdout is the JSON summary alone, with why it stopped
     assert "round 2: N = 2,500" in proc.stderr and "round 2" not in proc.stdout
     assert json.loads(proc.stdout)["adaptive_stop"] == "N_max"
-    assert re.search(r"stopped: N_max = 2,500 reached, the estimate not yet stable; the next round \(N = 5,000\) would "
-                     r"cost [\d.e+]+ more tokens \(§5\): raise sampling.N_max", proc.stderr), proc.stderr[-1000:]
+    # the round a rerun draws: round 2 (2,000 -> 4,000, cut at 2,500) again at its own size (it named 5,000)
+    assert re.search(r"stopped: N_max = 2,500 reached, the estimate not yet stable; the next round \(N = 4,000\) would "
+                     r"cost [\d.e+]+ more tokens \(§5\); round 2 is drawn again at that size .*: raise sampling.N_max to "
+                     r"at least 4,000", proc.stderr), proc.stderr[-1000:]
     quiet = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params_path), "--out", str(out),
                                  "--quiet"], capture_output=True, text=True, timeout=900)  # resumes: nothing drawn again
     assert quiet.returncode == 0 and json.loads(quiet.stdout)["adaptive_stop"] == "N_max" and "round" not in quiet.stderr

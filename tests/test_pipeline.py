@@ -130,9 +130,11 @@ def check_defences(project: Path) -> None:
     at_N = sweep[(sweep.N == 5000) & (sweep.method == "robust")].iloc[0]
     undefended = table[(table.knob == "none") & (table.phase == 1)].iloc[0]
     assert undefended.without_counter == f"not saturated (d >= {int(at_N.lower_bound)})"
-    # the adaptive replay of the undefended draws ends, unsaturated, at the stored N = 5,000 with the sweep's bound
-    assert undefended.adaptive == f"no stop by N = 5,000 (d >= {int(at_N.lower_bound)})"
+    # the adaptive replay of the undefended draws ends, unsaturated, at the loop's round 4,000 (its next, 8,000, is past
+    # the stored 5,000), with that round's bound
     adaptive = pd.read_csv(project / "outputs" / "defences" / "adaptive.csv", keep_default_na=False)
+    none = adaptive[adaptive.knob == "none"].iloc[0]
+    assert none.N == 4000 and undefended.adaptive == f"no stop by N = 4,000 (d >= {int(none.lower_bound)})"
     assert list(zip(adaptive.knob, adaptive.setting.astype(str))) == [("none", ""), *swept[:3]]
     fit = pd.read_csv(project / "outputs" / "timing_fit" / "estimates.csv")
     L_hat = fit[(fit.role == "target") & (fit.calibration == "same platform") & (fit.d_source == "d_hat")].L_hat.iloc[0]
@@ -212,12 +214,13 @@ def check_exactness(project: Path) -> None:
     assert len(efficiency["tokens_to_exact"]) == 3 * 3 and all(r["tokens"] is None for r in efficiency["tokens_to_exact"])
     assert all(0 <= r["best_lower_bound"] < r["d_true"] and r["wrong_cells"] == 0  # the honesty check, per group
                for r in efficiency["tokens_to_exact"] if r["method"] in ("robust", "incomplete"))
-    # the adaptive loop replayed on each model's tau = 2 draws (N0 = 1000, x2, capped at the stored N), searched down
-    # from the stored N: never stable here, so the search ends at its top round, unsaturated
+    # the adaptive loop replayed on each model's tau = 2 draws (N0 = 1000, x2: its rounds up to the stored N), searched
+    # down from there: never stable here, so the search ends at its top round, unsaturated; the stored 5,000 is no
+    # round of the loop's (it was assessed as one before a review), whose next, 8,000, is past the draws
     adaptive = {r["model"]: r for r in efficiency["adaptive"]}
     assert set(adaptive) == {"embedded", "qwen2.5-coder-0.5b"} and all(r["stop"] == "stored draws" for r in adaptive.values())
-    assert (adaptive["embedded"]["rounds"], adaptive["embedded"]["N"]) == (1, 5000)  # of 1000, 2000, 4000, 5000
-    assert adaptive["embedded"]["tokens"] == full.tokens and adaptive["embedded"]["d_hat_raw"] is None
+    assert (adaptive["embedded"]["rounds"], adaptive["embedded"]["N"]) == (3, 4000)  # 1000, 2000, 4000
+    assert adaptive["embedded"]["tokens"] * 5000 == full.tokens * 4000 and adaptive["embedded"]["d_hat_raw"] is None
     assert all(0 <= r["lower_bound"] < r["d_true"] for r in adaptive.values())
     # nothing exact at these budgets: the edge ratio R of every cell is there, and no threshold can be bracketed
     assert np.allclose(table.R, table.D_prime * table.C / (np.sqrt(table.D_prime) + np.sqrt(table.C)) ** 2)
