@@ -305,8 +305,9 @@ class DefendedOracle(Oracle):
         if defence.pad_to_tokens is not None and not isinstance(oracle, Simulator):
             raise NVError(f"pad_to_tokens needs the target's tokenizer: {type(oracle).__name__} cannot honour it "
                           "(only the simulator can)")
-        if isinstance(oracle, HTTPOracle) and set(oracle.extra_body) - REQUEST_FIELDS:
-            raise NVError(f"live.extra_body field(s) {', '.join(map(repr, sorted(set(oracle.extra_body) - REQUEST_FIELDS)))} "
+        unknown = sorted(set(oracle.extra_body) - REQUEST_FIELDS) if isinstance(oracle, HTTPOracle) else []
+        if unknown:
+            raise NVError(f"live.extra_body field(s) {', '.join(map(repr, unknown))} "
                           "with a defence: they could undo it (a sampler chain, a temperature or a probability format "
                           "the defence does not control), as `nv defend` refuses them")
         if defence.truncates and isinstance(oracle, HTTPOracle):
