@@ -46,6 +46,7 @@ from scipy.optimize import lsq_linear
 
 from nv.errors import NVError
 from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
+from nv.phase1.adaptive import schedule
 from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.prune import greedy_prune
@@ -169,11 +170,14 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
     thinned from disk, one at the stored N the stored sample itself): the round the loop stops at, its cost and estimate, or
     the last round's lower bound. Undefended: the loop's own stop (``exactness.adaptive_stop``: its record, else its
     replay). A setting whose cell at N in the sweep ``p1`` (``sweep_phase1``, with the counter-measure) is not
-    saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not); the
+    saturated cannot stop within the draws (the replay's premise: fewer calls do not saturate what more did not) where
+    N is one of the loop's rounds (a stored N off its grid is no round: such a setting is replayed too); the
     others are replayed on their defended draws (``exactness.adaptive_replays``, down from N). A truncated round keeps
     its N_r calls' draws inside the served sets (N_r times the served mass, as ``sweep_phase1`` at N): the attack
     pays for N_r calls and keeps fewer."""
     budget = sample_budget(folder)
+    plan = schedule(sampling["N0"], sampling["N_max"], sampling["growth"])
+    on_grid = budget["N"] in plan  # the sweep's cell at N is then the loop's top round within the draws
     at_top = p1[p1.variant == "attack"].set_index(["knob", "setting"])
     views, rows = {}, {}
     for i, (knob, value) in enumerate(knobs):
@@ -181,9 +185,10 @@ def adaptive_phase1(folder, p1: pd.DataFrame, knobs: list[tuple[str, object]], s
         if knob == "none":
             rounds, why = adaptive_stop(folder, sampling, robust, seed)
             rows[key] = (rounds, why)
-        elif knob in LOGPROB_KNOBS and pd.isna(at_top.loc[key, "robust_d_hat_raw"]):
+        elif knob in LOGPROB_KNOBS and on_grid and pd.isna(at_top.loc[key, "robust_d_hat_raw"]):
             rows[key] = ([{"N": budget["N"], "tokens": budget["tokens"], "calls": budget["calls"],
-                           "lower_bound": at_top.loc[key, "robust_lower_bound"]}], "stored draws")
+                           "lower_bound": at_top.loc[key, "robust_lower_bound"]}],
+                         "N_max" if budget["N"] == plan[-1] else "stored draws")
         elif knob in LOGPROB_KNOBS:
             defence = Defence(**{knob: value})
             served = served_sets(log_probs_T1, budget["temperature"], defence) if defence.truncates else None

@@ -230,9 +230,9 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
            f"placed from {placed}), one output token each: {p['phase2']['requests']:,} requests, "
            f"{'at most ' if p['phase2']['bound'] else ''}{p['phase2']['tokens_billed']:,} billed tokens"
            + ("" if p["phase2"]["money"] is None else f", money {p['phase2']['money']:.6g}")
-           + f" (not in the totals above; the budget check adds them to phase 1's, with {p['phase2']['tokens_held'] - p['phase2']['tokens_billed']:,} "
-           "tokens more its last call reserves beyond its bill,"
-           + (", its first round's" if p["adaptive"] else "") + ")")
+           + " (not in the totals above; the budget check adds them to phase 1's" + (", its first round's" if p["adaptive"] else "")
+           + f", with {p['phase2']['tokens_held'] - p['phase2']['tokens_billed']:,} tokens more its last call reserves "
+           "beyond its bill)")
     )
 
 

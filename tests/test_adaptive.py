@@ -220,6 +220,9 @@ def test_n_max_raised_after_a_capped_round_draws_that_round_again_at_its_size(tm
     lines.clear()
     run(LowRankOracle(rank=70), 400, {"m": "toy"})  # N_max on the grid: the next round is the loop's own
     assert "the next round (N = 800)" in lines[-1] and "drawn again" not in lines[-1]
+    run(LowRankOracle(rank=70), 300, {"m": "toy"})  # back to N_max = 300: its capped round 2 drawn again, the full one kept
+    sizes = sorted((f.name.split("-")[1], f.name.split("-")[3]) for f in (ck / "adaptive").iterdir())
+    assert sizes == [("0", "100"), ("0", "100"), ("1", "100"), ("1", "100"), ("2", "100"), ("2", "100"), ("2", "200")]
 
 
 def test_a_stopped_loop_leaves_its_rounds_and_no_merged_sample(tmp_path):

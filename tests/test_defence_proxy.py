@@ -283,7 +283,7 @@ def test_noise_is_drawn_per_token_id_and_from_the_os_unless_seeded():
 
 def test_log_probs_of_a_shape_not_known_are_dropped_not_passed():
     """A choice's logprobs that is not an object, a prompt_logprobs entry that is a bare number, a chat entry's top
-    list that is an object: dropped (they passed raw, and the last was a 500)."""
+    list that is an object, and every other shape not known: dropped (they passed raw, or were a 500)."""
     defence, rng = Defence(round_decimals=1, noise_sigma=0.5), np.random.default_rng(0)
     odd = defend_reply({"choices": [{"logprobs": [{"token": "a", "logprob": -1.23456789}]}]}, defence, rng)
     assert odd["choices"][0]["logprobs"] is None
@@ -294,6 +294,21 @@ def test_log_probs_of_a_shape_not_known_are_dropped_not_passed():
     chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"] = {"a": RAW}
     entry = defend_reply(chat, defence, rng)["choices"][0]["logprobs"]["content"][0]
     assert entry["top_logprobs"] is None and entry["logprob"] != RAW
+    # chat content that is no list or holds no objects, choices that are no list or no objects, a log-prob that is no
+    # number, a token that is no text (each was an AttributeError or TypeError, the proxy's 500; a review)
+    content = defend_reply({"choices": [{"logprobs": {"content": {"token": "a", "logprob": RAW}}}]}, defence, rng)
+    assert content["choices"][0]["logprobs"]["content"] is None
+    content = defend_reply({"choices": [{"logprobs": {"content": [None, ["a", RAW], {"token": "a", "logprob": RAW}]}}]},
+                           defence, rng)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 1 and content[0]["logprob"] != RAW
+    assert defend_reply({"choices": {"0": {}}}, defence, rng)["choices"] is None
+    assert defend_reply({"choices": ["a", None]}, defence, rng)["choices"] == [None, None]
+    text = defend_reply({"choices": [{"logprobs": {"tokens": 5, "token_logprobs": [RAW, "-1.2", True],
+                                                   "top_logprobs": [{"a": RAW}]}}]}, defence, rng)["choices"][0]["logprobs"]
+    assert text["token_logprobs"][0] != RAW and text["token_logprobs"][1:] == [None, None] and text["top_logprobs"][0]["a"] != RAW
+    odd_id = {"choices": [{"logprobs": {"content": [{"token": "a", "id": {"x": 1}, "logprob": RAW,
+                                                     "top_logprobs": [{"token": "a", "id": [1], "logprob": RAW}]}]}}]}
+    assert defend_reply(odd_id, defence, rng)["choices"][0]["logprobs"]["content"][0]["logprob"] != RAW
 
 
 def test_the_quantum_counts_from_the_requests_last_byte():

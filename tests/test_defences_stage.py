@@ -168,6 +168,12 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     assert a.loc[("round_decimals", "1"), "outcome"] == "exact" and a.loc[("round_decimals", "1"), "N"] >= none.N
     noisy = a.loc[("noise_sigma", "2.0")]
     assert noisy.outcome == "no stop by N = 20,000" or (noisy.outcome == "exact" and noisy.N >= none.N)
+    # rounds of N_0 = 3,000 (3,000, 6,000, 12,000, 24,000): the stored 20,000 is no round of the loop, so top-k 8 ends
+    # at its round 12,000 (replayed), not at the stored N as its sweep cell
+    off = adaptive_phase1(folder, p1, knobs[:2], {"N0": 3_000, "N_max": 10**6, "growth": 2.0}, SPECTRUM["robust"], 12, 0,
+                          T1).set_index(["knob", "setting"]).loc[("top_k", "8")]
+    assert off.stop == "stored draws" and off.N == 12_000 and off.outcome == "no stop by N = 12,000"
+    assert off.calls == S.D * 12_000 and off.lower_bound <= 8
     prices = pd.DataFrame([{"knob": "top_k", "setting": "8", "kl": 0.1, "tv": 0.05}] +
                           [{"knob": "noise_sigma", "setting": s, "kl": 0.0, "tv": 0.0} for s in ("2.0", "3.0")])
     table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, adaptive, "robust")

@@ -521,6 +521,18 @@ def test_refusals_redirects_and_malformed_urls_say_what_they_are(server, monkeyp
     assert "s3cr" not in str(err.value) and "auditor" not in str(err.value)
 
 
+def test_an_at_sign_in_a_path_is_the_path_s():
+    """RFC 3986 allows '@' in a path: such a base URL is served as given (it was refused as a password's unescaped
+    '/', a review), with or without credentials before the host; a '?' in a password is refused like a '/'."""
+    for url, public, header in [("https://host/v1/deployments/m@2024/v1", "https://host/v1/deployments/m@2024/v1", False),
+                                ("http://u:p@host:8080/v1@x", "http://host:8080/v1@x", True),
+                                ("http://[::1]:8080/m@1/v1", "http://[::1]:8080/m@1/v1", False)]:
+        assert split_credentials(url)[0] == public and bool(split_credentials(url)[1]) == header
+    with pytest.raises(NVError, match="percent-encode a '/', '[?]' or '#'") as err:
+        split_credentials("http://auditor:s3cr?et@127.0.0.1:18777/v1")
+    assert "s3cr" not in str(err.value) and "auditor" not in str(err.value)
+
+
 def test_retry_after_as_an_http_date():
     """Retry-After's date form (RFC 9110) was dropped: the client waited its 0.01 s backoff instead of 30 s."""
     from email.utils import format_datetime
@@ -1111,6 +1123,7 @@ def test_phase2_on_the_endpoint_from_a_calibration(server, root, tmp_path, calib
     planned = json.loads(dry.stdout.strip().splitlines()[-1])
     bills, held = planned["tokens_billed"] + planned["phase2"]["tokens_billed"], planned["tokens_billed"] + planned["phase2"]["tokens_held"]
     assert held > bills
+    assert f"phase 1's, with {held - bills:,} tokens more its last call reserves beyond its bill)\n" in dry.stdout
     tight = run_attack(attack_args(server.base_url, server.model_name, params, tmp_path / "out4", *timed_args,
                                    "--budget-tokens", str(bills)))
     assert tight.returncode == 2 and f"needs {held:,} tokens > --budget-tokens {bills:,}" in tight.stderr, tight.stderr[-2000:]

@@ -136,6 +136,7 @@ def check_defences(project: Path) -> None:
     none = adaptive[adaptive.knob == "none"].iloc[0]
     assert none.N == 4000 and undefended.adaptive == f"no stop by N = 4,000 (d >= {int(none.lower_bound)})"
     assert list(zip(adaptive.knob, adaptive.setting.astype(str))) == [("none", ""), *swept[:3]]
+    assert {str(n) for n in adaptive.N} <= {"", "1000", "2000", "4000"}  # every row ends at a round of the loop's
     fit = pd.read_csv(project / "outputs" / "timing_fit" / "estimates.csv")
     L_hat = fit[(fit.role == "target") & (fit.calibration == "same platform") & (fit.d_source == "d_hat")].L_hat.iloc[0]
     phase2 = pd.read_csv(project / "outputs" / "defences" / "phase2.csv")

@@ -129,13 +129,13 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
     """A chat or completions reply as the defended API returns it: only its known fields, every log-prob defended, a
     top list cut to the tokens the truncation could have drawn."""
     reply = _known(reply, "reply")
-    noise: dict[tuple, float] = {}
+    noise: dict[str, float] = {}
 
     def value(y, key: tuple):
-        if y is None or (defence.min_logprob is not None and y < defence.min_logprob):
-            return None
+        if not isinstance(y, (int, float)) or isinstance(y, bool) or (defence.min_logprob is not None and y < defence.min_logprob):
+            return None  # missing, or a shape not known ("-1.2", true): dropped, not passed on undefended
         if defence.noise_sigma:
-            y = y + noise.setdefault(key, defence.noise_sigma * rng.standard_normal())
+            y = y + noise.setdefault(repr(key), defence.noise_sigma * rng.standard_normal())  # repr: a token may be any JSON
         return float(quantise(np.array([y], dtype=np.float64), defence)[0])
 
     def prompt_logprobs(obj: dict, where: tuple) -> None:  # vLLM: [None | {token_id: {logprob, rank, decoded_token}}]
@@ -153,9 +153,14 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                     top[token] = None
 
     prompt_logprobs(reply, ("prompt",))
+    if "choices" in reply and not isinstance(reply["choices"], list):
+        reply["choices"] = None  # a shape not known: dropped
     choices = reply.get("choices") or []
     for c, choice in enumerate(choices):
         choice = choices[c] = _known(choice, "choice")
+        if not isinstance(choice, dict):
+            choices[c] = None
+            continue
         prompt_logprobs(choice, ("prompt", c))
         if not isinstance(choice.get("logprobs"), dict):
             if "logprobs" in choice:
@@ -163,8 +168,10 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
             continue
         lp = choice["logprobs"] = _known(choice["logprobs"], "logprobs")
         for part in ("content", "refusal"):  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+            if part in lp and not isinstance(lp[part], list):
+                lp[part] = None  # a shape not known: dropped
             if isinstance(lp.get(part), list):
-                lp[part] = [_known(entry, "entry") for entry in lp[part]]
+                lp[part] = [_known(entry, "entry") for entry in lp[part] if isinstance(entry, dict)]
             for i, entry in enumerate(lp.get(part) or []):
                 entry["logprob"] = value(entry.get("logprob"), (c, part, i, entry.get("id", entry.get("token"))))
                 if "top_logprobs" in entry and not isinstance(entry["top_logprobs"], list):
@@ -179,13 +186,14 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                     top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("id", top.get("token"))))
         # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]; a top list is defended whatever sits
         # beside it (with token_logprobs null, or under a chat reply), and one of another shape is dropped
+        sampled = list(lp["tokens"]) if isinstance(lp.get("tokens"), (list, str)) else []
         if "token_logprobs" in lp:
             ys = lp["token_logprobs"] if isinstance(lp["token_logprobs"], list) else None
-            tokens = lp.get("tokens") or [None] * len(ys or [])
-            lp["token_logprobs"] = None if ys is None else [value(y, (c, "text", i, t)) for i, (t, y) in enumerate(zip(tokens, ys))]
+            names = sampled + [None] * len(ys or [])
+            lp["token_logprobs"] = None if ys is None else [value(y, (c, "text", i, names[i])) for i, y in enumerate(ys)]
         if "top_logprobs" in lp:
             tops = lp["top_logprobs"] if isinstance(lp["top_logprobs"], list) else []
-            sampled = list(lp.get("tokens") or []) + [None] * len(tops)
+            sampled += [None] * len(tops)
             lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in _drawable(list(top.items()), sampled[i], defence)}
                                   if isinstance(top, dict) else None for i, top in enumerate(tops)] or None
     return reply

@@ -61,8 +61,11 @@ def split_credentials(base_url: str) -> tuple[str, dict]:
     """(the base URL without ``user:password@``, the HTTP Basic ``Authorization`` header it carried, or {}):
     the URL goes into journals, reports and errors, the credentials only into request headers."""
     public = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@", r"\1", base_url)  # also where urlsplit fails on the rest
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^?#]*@", public):  # an '@' past the host: a password's unescaped '/'
-        hidden = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^?#]*@", r"\1...@", base_url)
+    cut = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)[/?#][^@]*@", base_url)
+    # 'user:pa/ss@host': nothing removed, a ':' before the first '/' that no port explains ([IPv6] aside), an '@' after
+    # it; an '@' in a path alone is a path's ('.../deployments/m@2024')
+    if public == base_url and cut and re.search(r":(?!\d*$)", re.sub(r"\[[^\]]*\]", "", cut.group(1))):
+        hidden = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://).*@", r"\1...@", base_url)
         raise NVError(f"base URL {hidden!r} has an '@' after its host: percent-encode a '/', '?' or '#' in its user or "
                       "password (%2F, %3F, %23)")
     try:
@@ -151,7 +154,8 @@ def usage_counts(usage) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) \
                 or value < (1 if key == "p" else 0):
             raise NVError(f"reply's usage counts are not whole token counts (prompt_tokens >= 1, completion_tokens >= 0): "
-                          f"{json.dumps(usage)[:200]}: its cost cannot be counted")
+                          f"{json.dumps(usage)[:200]}: its cost cannot be counted (a server that counts a cached prompt "
+                          "as 0 tokens, as Ollama did before its fixes of 2024 and 2026, needs an upgrade)")
         counts[key] = int(value)
     return counts
 
@@ -652,12 +656,13 @@ class HTTPOracle(Oracle):
                 start = time.perf_counter()
                 r = await self._client.post(url, json=body)
                 seconds = time.perf_counter() - start
+                status = f"HTTP {r.status_code} {_detail(r)}".strip() if r.status_code >= 400 else ""
                 if r.status_code in TRANSIENT or (r.status_code >= 500 and r.status_code not in (501, 505)):
-                    raise _Retry(f"HTTP {r.status_code} {_detail(r)}".strip(), r.headers.get("retry-after"))
+                    raise _Retry(status, r.headers.get("retry-after"))
                 if r.status_code in (401, 403):  # a server may leave its model list open and guard its completions
-                    raise NVError(f"{url} refused the credentials (HTTP {r.status_code} {_detail(r)}): {self._credentials_fix()}")
+                    raise NVError(f"{url} refused the credentials ({status}): {self._credentials_fix()}")
                 if r.status_code >= 400:
-                    raise NVError(f"{url} refused the request: HTTP {r.status_code} {_detail(r)}")
+                    raise NVError(f"{url} refused the request: {status}")
                 if r.status_code >= 300:  # redirects are not followed: a POST's body would not survive all of them
                     raise NVError(f"{url} redirects (HTTP {r.status_code}) to {r.headers.get('location', '?')}: "
                                   "give the endpoint's own URL as --base-url")

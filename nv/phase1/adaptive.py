@@ -292,8 +292,8 @@ def _tokens(S: SampledMatrix, calls: int) -> int:
 
 
 def _resized(folder: Path, meta: dict) -> list[Path]:
-    """The folders of round ``folder``'s draws at another size (``meta`` but N; a round cut short at an earlier
-    ``N_max``): superseded once this one is finished."""
+    """The folders of round ``folder``'s draws at a smaller size (``meta`` but N; a round cut short at an earlier
+    ``N_max``): superseded once this one is finished. A larger one (a run at a larger ``N_max`` or ``N0``) is kept."""
     same = {k: v for k, v in meta.items() if k not in ("N", "chunk")}
     found = []
     for other in folder.parent.glob("-".join(folder.name.split("-")[:3]) + "-*"):
@@ -301,7 +301,8 @@ def _resized(folder: Path, meta: dict) -> list[Path]:
             theirs = json.loads((other / MANIFEST).read_text())
         except (OSError, ValueError):
             continue
-        if other != folder and isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k not in ("N", "chunk")} == same:
+        if other != folder and isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k not in ("N", "chunk")} == same \
+                and isinstance(theirs.get("N"), int) and theirs["N"] < meta["N"]:
             found.append(other)
     return found
 
