@@ -44,8 +44,8 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import lsq_linear
 
-from nv.errors import NVError
 from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
+from nv.params import check_knobs
 from nv.phase1.adaptive import schedule
 from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
@@ -61,15 +61,8 @@ TENFOLD = 10
 
 def settings(sweep: dict) -> list[tuple[str, object]]:
     """(knob, value) of every swept setting, params order; ``("none", None)`` first (the undefended row)."""
-    unknown = sorted(set(sweep) - set(LOGPROB_KNOBS) - set(TIMING_KNOBS))
-    if unknown:
-        raise NVError(f"params: defences.knobs names {unknown}; known: {', '.join(LOGPROB_KNOBS + TIMING_KNOBS)}")
-    out = [("none", None)]
-    for knob, values in sweep.items():
-        for v in values:
-            Defence(**{knob: v})  # one schema: params.yaml's defence section checks every value
-            out.append((knob, v))
-    return out
+    check_knobs(sweep)  # one schema: params.yaml's defence section checks every value
+    return [("none", None)] + [(knob, v) for knob, values in sweep.items() for v in values]
 
 
 def label(value) -> str:

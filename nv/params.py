@@ -96,14 +96,16 @@ class Platforms(EachOf):
 
 
 _SHAPE = {"d": _POS_INT, "L": _POS_INT, "n_kv_heads": _POS_INT, "d_ffn": _POS_INT}  # a random-weight reference's shape
+HEAD_DIM = 64  # its head size unless the entry sets head_dim: nv.models.reference_family.HEAD_DIM (timing stages do not import params)
 
 
 
 # the timing protocol (§4.2, App. D): one platform's settings, and the rest of params.yaml's timing section; a
 # calibration file copies r, trials and the rest (``check_timing_protocol``)
 _PLATFORM = {"r": _POS_NUM, "trials": (int, lambda v: v >= 2, ">= 2"), "threads": _POS_INT,
-             "references": ((str, list), lambda v: v == "all" or (isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) for x in v)),
-                            "'all' or a non-empty list of timing_family names")}
+             "references": ((str, list), lambda v: v == "all" or (isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) for x in v)
+                                                                  and len(set(v)) == len(v)),
+                            "'all' or a non-empty list of distinct timing_family names")}
 _PROTOCOL = {"warmups": (int, lambda v: v >= 2, ">= 2 (two calibrate the prompt length)"), "trim": _FRACTION,
              "n_lengths": (int, lambda v: v >= 2, ">= 2"), "discard": _NONNEG_INT, "kv_ratio": _POS_NUM, "ffn_ratio": _POS_NUM}
 
@@ -146,7 +148,7 @@ SCHEMA: dict[str, dict] = {
         "method": _one_of("robust", "paper"),
         "whitebox_prompts": _POS_INT,
         "paper": {"p": _PROB, "g": _POS_INT, "w": _OPT_POS_INT, "w_s": _OPT_POS_INT, "lam_sad": _POS_NUM, "lam_peak": _POS_NUM},
-        "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": _POS_NUM},
+        "robust": {"g": _POS_INT, "z_min": _POS_NUM, "min_ratio": ((int, float), lambda v: v >= 1, ">= 1 (sigma_k / sigma_{k+1} >= 1 always: 1 switches the check off)")},
         "incomplete": {"frac": ((int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
                        "rungs": (list, lambda v: len(v) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                                      and 0 < x <= 1 for x in v) and v == sorted(set(v)),
@@ -253,11 +255,39 @@ def check_section(name: str, section: object) -> dict:
     if not isinstance(section, dict):
         raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
     _check(name, section, SCHEMA[name])
+    if name == "defences":
+        check_knobs(section["knobs"])
+    for item, entry in section.items() if name == "timing_family" else ():
+        head = entry.get("head_dim", HEAD_DIM)
+        if "d" in entry and (entry["d"] % head or (entry["d"] // head) % entry["n_kv_heads"]):
+            raise NVError(f"params: 'timing_family.{item}': d = {entry['d']} must be a multiple of the head size {head} "
+                          f"into a number of heads that n_kv_heads = {entry['n_kv_heads']} divides")
+    if name == "sampling" and section["N0"] > section["N_max"]:  # before the prompt search pays (the rounds' own check)
+        raise NVError(f"params: 'sampling.N0' = {section['N0']:,} is above 'sampling.N_max' = {section['N_max']:,}")
     if name == "timing":
         _discard_fits(section, "params")
         for platform, cfg in section["platforms"].items():
             _trim_keeps(section["trim"], cfg["trials"], "params", f"timing.platforms.{platform}.trials")
     return section
+
+
+def check_knobs(knobs: dict, where: str = "params") -> dict:
+    """``defences.knobs``: each knob a defence-section key the defences stage emulates on stored draws (all but
+    ``max_temperature``: the draws are of one temperature), each setting a value of that key (not null: the
+    undefended row is always swept), none twice."""
+    defence = SCHEMA["defence"]
+    known = [k for k in defence if k != "max_temperature"]
+    unknown = sorted(map(str, set(knobs) - set(known)))
+    if unknown:
+        raise NVError(f"{where}: defences.knobs names {unknown}; known: {', '.join(known)}")
+    for knob, values in knobs.items():
+        for i, value in enumerate(values):
+            if value is None:
+                raise NVError(f"{where}: 'defences.knobs.{knob}' lists null: the undefended row is always swept")
+            _check("defences.knobs", {knob: value}, {knob: defence[knob]}, where)
+            if value in values[:i]:
+                raise NVError(f"{where}: 'defences.knobs.{knob}' lists {value!r} twice")
+    return knobs
 
 
 def check_timing_protocol(values: dict, where: str) -> None:
@@ -292,10 +322,14 @@ def _check(name: str, section: dict, schema: dict, where: str = "params") -> dic
         bad = [k for k in section if isinstance(schema, Platforms) and k not in Platforms.names]
         if bad:
             raise NVError(f"{where}: unknown platform '{name}.{bad[0]}' (known: {', '.join(Platforms.names)})")
-        dotted = [k for k in section if isinstance(schema, StageItems) and not re.fullmatch(r"[A-Za-z0-9_-]+", str(k))]
+        unquoted = [k for k in section if isinstance(schema, StageItems) and not isinstance(k, str)]
+        if unquoted:  # YAML reads on, yes, null, 1_000 as a bool, None or an int, which no stage's --item matches
+            raise NVError(f"{where}: '{name}.{unquoted[0]}': YAML reads this name as {type(unquoted[0]).__name__}, not text: "
+                          "quote it")
+        dotted = [k for k in section if isinstance(schema, StageItems) and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", k)]
         if dotted:
-            raise NVError(f"{where}: '{name}.{dotted[0]}': a stage item name may hold only letters, digits, '_' and '-' "
-                          "(DVC reads a dot as nesting); put the model in its 'spec'")
+            raise NVError(f"{where}: '{name}.{dotted[0]}': a stage item name may hold only letters, digits, '_' and '-', "
+                          "not first (DVC reads a dot as nesting, a leading '-' as an option); put the model in its 'spec'")
         for key, entry in section.items():
             if not isinstance(entry, dict):
                 raise NVError(f"{where}: '{name}.{key}' must be a mapping, got {type(entry).__name__}")
@@ -392,8 +426,8 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
     if not isinstance(raw, dict):
         raise NVError(f"params file {path} must be a mapping of sections")
     seed = raw.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise NVError(f"params: 'seed' must be an int >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:  # torch.manual_seed's range
+        raise NVError(f"params: 'seed' must be an int in [0, 2^63), got {seed!r}")
     unknown = [k for k in raw if k != "seed" and k not in SCHEMA]
     if unknown:
         raise NVError(f"params: unknown section '{unknown[0]}' in {path} (known: seed, {', '.join(SCHEMA)})")
@@ -413,7 +447,13 @@ def _check_links(params: dict) -> None:
     """Names and sizes one section takes from another, where both were loaded: a validation model's platforms are
     timing platforms, overall.trials' budgets reach what is timed (some platform, each validation model, at one budget
     at least) and those used keep two trials under the trim, a platform's listed references are members of the timing
-    family."""
+    family, and no model is attacked twice (the main one and the validation models by their spec)."""
+    seen = {params["model"]["spec"]: "model.spec"} if "model" in params else {}
+    for name, model in params.get("validation", {}).get("models", {}).items():  # each model attacked once
+        if model["spec"] in seen:
+            raise NVError(f"params: 'validation.models.{name}.spec' = {model['spec']!r} is {seen[model['spec']]}'s: list "
+                          "each model once")
+        seen[model["spec"]] = f"validation.models.{name}.spec"
     platforms = params.get("timing", {}).get("platforms")
     if platforms is None:
         return
@@ -424,12 +464,12 @@ def _check_links(params: dict) -> None:
                           f"timing.platforms ({', '.join(platforms)})")
     trials = params.get("overall", {}).get("trials")
     timed = max(cfg["trials"] for cfg in platforms.values())
-    if trials and min(trials) > timed:  # a budget above a model's trials is left out for it; all of them: nothing left
-        raise NVError(f"params: every 'overall.trials' budget ({', '.join(map(str, trials))}) is above every timing "
-                      f"platform's trials ({', '.join(str(cfg['trials']) for cfg in platforms.values())}): nothing to evaluate")
+    above = [K for K in trials or () if K > timed]  # a budget above one platform's trials is left out there only
+    if above:
+        raise NVError(f"params: 'overall.trials' budget {above[0]} is above every timing platform's trials "
+                      f"({', '.join(str(cfg['trials']) for cfg in platforms.values())}): no platform times it")
     for K in trials or ():
-        if K <= timed:
-            _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
+        _trim_keeps(params["timing"]["trim"], K, "params", "overall.trials")
     for name, model in params.get("validation", {}).get("models", {}).items():  # its sweeps' K, timed before they are fitted
         _trim_keeps(params["timing"]["trim"], model["trials"], "params", f"validation.models.{name}.trials")
     for name, model in params.get("validation", {}).get("models", {}).items() if trials else ():

@@ -36,6 +36,8 @@ def _read(path: Path):
         return _yaml().load(path.read_text())
     except FileNotFoundError:
         raise NVError(f"file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, unreadable, not text
+        raise NVError(f"{path} cannot be read: {exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") from None
     except YAMLError as exc:
         raise NVError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
 

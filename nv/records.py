@@ -70,7 +70,7 @@ def validation(metrics: dict) -> str:
         if m["saturated"]:
             d = f"**{m['d_hat_raw']:.0f}** [{math.floor(m['d_lo'])}, {math.ceil(m['d_hi'])}]"
         else:
-            d = f"**not saturated**: d >= {m['lower_bound']:.0f}"
+            d = "**not saturated**" + ("" if m["lower_bound"] is None else f": d >= {m['lower_bound']:.0f}")  # paper: no bound
         L = P = L10 = Pp = Po = "no estimate"
         if m.get("L_hat") is not None:
             L = (f"{m['L_hat']:.1f} ({pct(m['L_hat'], m['L_true'])}, {m['rule']}) {span(m, 'L', '', 1, '{:.1f}')}; "

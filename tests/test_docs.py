@@ -89,6 +89,10 @@ def test_an_unbounded_interval_or_a_missing_p_hat_renders(tmp_path):
     rendered = records.validation(metrics)
     row = next(line for line in rendered.splitlines() if records.label(entry["model"]) in line)
     assert f"{entry['L_lo']:.1f}, inf]" in row and "no estimate" in row
+    # the paper detector abstains without a lower bound (spectrum.method: paper; a TypeError, a review)
+    entry.update(saturated=False, lower_bound=None)
+    row = next(line for line in records.validation(metrics).splitlines() if records.label(entry["model"]) in line)
+    assert "**not saturated** |" in row
 
 
 def test_a_relative_error_is_rounded_once():

@@ -105,6 +105,20 @@ def test_eq10_scales_as_one_over_d_hat_and_the_target_platform_factor_cancels():
         assert table.loc[(platform, "target", "true d")].L_hat_eq10 == pytest.approx(30, rel=1e-4)
 
 
+def test_a_reference_of_the_targets_shape_does_not_calibrate_it():
+    """A reference of the target's d, L and P (the paper profile's SmolLM2-135M-Instruct beside the embedded
+    SmolLM2) is the target's own timing under another name: left out of the target's calibration (a review), so a
+    twin timed off the law (here 3x the fixed overhead) leaves the target's depth exact, as it leaves the other
+    references' fits; the twin is itself held out like any reference."""
+    recs = records()
+    for platform, factor in (("inprocess", 1.0), ("llamacpp", 3.0)):
+        recs[platform].insert(0, record("smollm2-twin", "reference", 30, 576, platform, factor, facts=SMOL, alpha=3 * ALPHA))
+    table = evaluate(recs, TIMING)
+    target = table[(table.role == "target") & (table.d_source == "d_hat")]
+    np.testing.assert_allclose(target.L_hat, 30, rtol=1e-4)
+    assert len(table[table.model == "smollm2-twin"]) == 2
+
+
 def test_a_target_whose_latency_does_not_grow_gets_a_note_not_a_depth():
     recs = records()
     for platform in recs:  # the target's latency falls with ell (T - alpha = -prefill): no positive slope, no depth

@@ -58,8 +58,9 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
         load_params(write(tmp_path, params))
     with pytest.raises(NVError, match="missing section 'nope'"):
         load_params(write(tmp_path, {"seed": 1}), ["nope"])
-    with pytest.raises(NVError, match="'seed' must be an int"):
-        load_params(write(tmp_path, {"seed": "x"}))
+    for seed in ("x", -1, 2**63):  # 2^64 passed and stopped the timing stage in torch.manual_seed (a review)
+        with pytest.raises(NVError, match=re.escape(f"'seed' must be an int in [0, 2^63), got {seed!r}")):
+            load_params(write(tmp_path, {"seed": seed}))
     (tmp_path / "bad.yaml").write_text("seed: 0\nsweep: {budgets: [1, 2}\n")
     with pytest.raises(NVError, match="not valid YAML: expected ',' or ']', but got '}' at line 2, column 23"):
         load_params(tmp_path / "bad.yaml")
@@ -162,11 +163,22 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
     [
         (lambda p: p["sampling"].update(N="many"), "'sampling.N' must be an int >= 1 or 'auto', got 'many'"),
         (lambda p: p["sampling"].update(growth=1.0), "'sampling.growth' must be > 1, got 1.0"),
+        # found by the sampling stage after the prompt search had run, without the keys' names (a review)
+        (lambda p: p["sampling"].update(N0=2_000_000), "'sampling.N0' = 2,000,000 is above 'sampling.N_max' = 1,000,000"),
+        (lambda p: p["spectrum"]["robust"].update(min_ratio=0.5), "'spectrum.robust.min_ratio' must be >= 1"),
         (lambda p: p["validation"]["models"].update({"qwen2.5": p["validation"]["models"]["qwen-0_5b"]}),
          "'validation.models.qwen2.5': a stage item name may hold only letters, digits, '_' and '-'"),
         (lambda p: p["validation"]["models"]["qwen-0_5b"].update(platforms=["gpu"]),
          "'validation.models.qwen-0_5b.platforms' must be a non-empty list of ('inprocess', 'llamacpp')"),
         (lambda p: p["validation"]["models"]["qwen-0_5b"].pop("spec"), "missing key 'validation.models.qwen-0_5b.spec'"),
+        # a shape the family's random model cannot take: found by its timing stage, without the key (a review)
+        (lambda p: p["timing_family"].update({"ref-x": {"d": 384, "L": 2, "n_kv_heads": 4, "d_ffn": 1024}}),
+         "'timing_family.ref-x': d = 384 must be a multiple of the head size 64 into a number of heads that n_kv_heads = 4 divides"),
+        (lambda p: p["timing_family"].update({"ref-x": {"d": 400, "L": 2, "n_kv_heads": 1, "d_ffn": 1024}}),
+         "'timing_family.ref-x': d = 400 must be a multiple of the head size 64"),
+        # attacked twice: the validation stage refused it only after both runs (a review)
+        (lambda p: p["validation"]["models"]["qwen-0_5b"].update(spec="embedded"),
+         "'validation.models.qwen-0_5b.spec' = 'embedded' is model.spec's: list each model once"),
         # names taken from another section: a validation model timed on a platform params does not configure, a
         # platform's reference the family does not hold (what a profile replacing one collection whole can leave)
         (lambda p: p["timing"]["platforms"].pop("llamacpp"),
@@ -178,11 +190,22 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
          "'timing_family.Qwen2.5-0.5B': a stage item name may hold only letters, digits, '_' and '-'"),
         # a string passed as a list of names (each of its characters a name)
         (lambda p: p["timing"]["platforms"]["llamacpp"].update(references="ref-384x12"),
-         "'timing.platforms.llamacpp.references' must be 'all' or a non-empty list of timing_family names"),
+         "'timing.platforms.llamacpp.references' must be 'all' or a non-empty list of distinct timing_family names"),
         # trial budgets no model is timed with, or that the trim leaves under 2 trials: an empty figure's traceback,
         # a model gone from the validation, a late failure, at the end of the pipeline
         (lambda p: p["overall"].update(trials=[20, 30]),
-         "every 'overall.trials' budget (20, 30) is above every timing platform's trials (10, 10): nothing to evaluate"),
+         "'overall.trials' budget 20 is above every timing platform's trials (10, 10): no platform times it"),
+        # one budget no platform times was left out without a word (the README said it is refused; a review)
+        (lambda p: p["overall"].update(trials=[2, 2000]),
+         "'overall.trials' budget 2000 is above every timing platform's trials (10, 10): no platform times it"),
+        # a name YAML reads as a bool, None or int, or one DVC's command line reads as an option (a review)
+        (lambda p: p["timing_family"].update({True: {"spec": "x"}}), "'timing_family.True': YAML reads this name as bool"),
+        (lambda p: p["validation"]["models"].update({1000: p["validation"]["models"]["qwen-0_5b"]}),
+         "'validation.models.1000': YAML reads this name as int, not text: quote it"),
+        (lambda p: p["timing_family"].update({"-ref": {"spec": "x"}}), "'timing_family.-ref': a stage item name may hold"),
+        # a reference listed twice weighed twice in every fit (a review)
+        (lambda p: p["timing"]["platforms"]["llamacpp"].update(references=["ref-384x12", "ref-384x12"]),
+         "'timing.platforms.llamacpp.references' must be 'all' or a non-empty list of distinct timing_family names"),
         (lambda p: p["overall"].update(trials=[6, 10]),
          "'validation.models.qwen-0_5b.trials' = 5 is below every overall.trials budget (6, 10)"),
         (lambda p: (p["overall"].update(trials=[3, 10]), p["timing"].update(trim=0.34)),
@@ -196,6 +219,14 @@ def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, 
     edit(params)
     with pytest.raises(NVError, match=re.escape(message)):
         load_params(write(tmp_path, params))
+
+
+def test_the_family_head_size_is_the_random_models():
+    """params' check of a family shape and the random model it builds take one head size."""
+    from nv.models import reference_family
+    from nv.params import HEAD_DIM
+
+    assert HEAD_DIM == reference_family.HEAD_DIM
 
 
 def test_sampling_n_may_be_auto(tmp_path, params):

@@ -101,6 +101,9 @@ def test_unknown_key_or_bad_value_fails_with_one_line_and_leaves_params_alone(pa
         assert sorted(p.name for p in params.parent.iterdir()) == ["bad.yaml", "params.yaml"]
     with pytest.raises(NVError, match="file not found"):
         apply(tmp_path / "missing.yaml", params)
+    (tmp_path / "latin1.yaml").write_bytes("sampling: {N: 10}  # caf\xe9\n".encode("latin-1"))  # a traceback before (a review)
+    with pytest.raises(NVError, match="latin1.yaml cannot be read: not UTF-8 text"):
+        apply(tmp_path / "latin1.yaml", params)
 
 
 def test_a_mapping_that_is_one_value_is_replaced_whole(params, tmp_path):

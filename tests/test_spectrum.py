@@ -114,6 +114,21 @@ def test_paper_reports_missing_landmarks():
     assert no_peak.diagnostics["i_sad"] is not None
 
 
+def test_the_spectrum_figure_draws_the_detectors_own_thresholds():
+    """Panel (c) draws arctan(lam_sad) and arctan(lam_peak) as the detector used them (it drew arctan(pi) and
+    arctan(pi/2) whatever they were, also under the inspector's sliders; a review)."""
+    from nv.phase1.spectrum import robust
+    from nv.plots.phase1 import spectrum_panels
+
+    Y = logprob_like(80, 60, 10)
+    fig = spectrum_panels(None, paper(Y, lam_sad=10.0, lam_peak=5.0), robust(Y), None)
+    lines = [ln.get_ydata()[0] for ln in fig.axes[2].get_lines() if ln.get_linestyle() == "--"]
+    assert lines == pytest.approx([np.arctan(10.0), np.arctan(5.0)])
+    assert fig.axes[2].get_legend().get_texts()[0].get_text() == "arctan(10), arctan(5)"
+    default = spectrum_panels(None, paper(Y), robust(Y), None)  # the paper's pi and pi/2 by name
+    assert default.axes[2].get_legend().get_texts()[0].get_text() == "arctan(pi), arctan(pi/2)"
+
+
 def test_snap():
     assert snap(576, 128) == 640 and snap(576, 64) == 576 and snap(575, 64) == 576
     assert snap(577, 64) == 640 and snap(7, 1) == 7

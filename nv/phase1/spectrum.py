@@ -107,7 +107,8 @@ def paper_from_eigenvalues(
     a = np.arctan(lam)
     slope = _window_slope(a, w)
     s_tilde = _moving_average(slope, w_s)
-    diag = {"lambda": lam, "a": a, "slope": slope, "s_tilde": s_tilde, "i_sad": None, "i_peak": None}
+    diag = {"lambda": lam, "a": a, "slope": slope, "s_tilde": s_tilde, "i_sad": None, "i_peak": None,
+            "lam_sad": lam_sad, "lam_peak": lam_peak}
 
     def fail(reason):
         return SpectrumEstimate("paper", False, None, None, g, None, reason, diag)

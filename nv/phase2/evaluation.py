@@ -90,6 +90,13 @@ def depth_fields(g: dict, d_hat: float, L_hat: float, timing: dict, suffix: str)
             f"L_err_rounded{suffix}": float(relative_error(rounded, g["L"]))} | param_estimates(g, d_hat, L_hat, timing, suffix)
 
 
+def calibrates(r: dict, g: dict) -> bool:
+    """Whether record ``r`` may calibrate held-out ``g``: a reference other than g and of another shape (d, L, P). A
+    timing depends on the shape alone, so a reference of g's (g's own model under another name, as the paper
+    profile's SmolLM2-135M-Instruct beside the embedded target, or a fine-tune of it) would hand g its own curve."""
+    return r["role"] == "reference" and r["model"] != g["model"] and (r["d"], r["L"], r["P"]) != (g["d"], g["L"], g["P"])
+
+
 def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict, d_key: str) -> dict:
     """L_hat, P_hat of record ``g`` (timed on its platform), calibrated on the other references:
     beta, alpha, gamma^ref on the reference platform's records, gamma^tgt on g's platform's (Eqs. 6-10, 3).
@@ -100,7 +107,7 @@ def held_out(reference: list[dict], platform: list[dict], g: dict, timing: dict,
     gamma_g comes with g's own free intercept zeta_g.
     """
     def others(records: list[dict], among: set[str] | None = None) -> list[dict]:
-        return [r for r in records if r["role"] == "reference" and r["model"] != g["model"] and (among is None or r["model"] in among)]
+        return [r for r in records if calibrates(r, g) and (among is None or r["model"] in among)]
 
     # Eq. 8's k compares the same models on both platforms: those timed on both (a reference timed on g's platform
     # alone would pool a deeper or shallower set into gamma^tgt than gamma^ref, and the pooled gamma grows with depth)

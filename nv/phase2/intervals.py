@@ -30,7 +30,7 @@ from scipy import stats
 
 from nv.errors import NVError
 from nv.phase2 import prefill
-from nv.phase2.evaluation import held_out
+from nv.phase2.evaluation import calibrates, held_out
 
 ESTIMATORS = {"basic": "L_hat", "eq10": "L_hat_eq10"}
 T_KEYS = {"basic": "t", "eq10": "t_eq10"}  # held_out's t-statistic of each estimator's fit
@@ -88,7 +88,7 @@ def held_out_all(recs: dict[str, list[dict]], g: dict, timing: dict) -> dict:
         row[key] = significant(L_hat, row.get(T_KEYS[name], np.nan))
         if np.isfinite(L_hat) and np.isnan(row[key]):
             row[f"note_t_{name}"] = f"{name}: L_hat = {L_hat:.3g} is under {MIN_T:g} standard errors above 0: no depth"
-    refs = [r for r in recs[g["platform"]] if r["role"] == "reference" and r["model"] != g["model"]]
+    refs = [r for r in recs[g["platform"]] if calibrates(r, g)]
     try:
         cal = prefill.calibrate(refs)
     except NVError as exc:  # no attacker-side P_ne_hat: reported, not fatal

@@ -116,8 +116,11 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     b.legend(fontsize=8)
     av = paper.diagnostics["a"]
     c.plot(np.arange(1, len(av) + 1), av, color="C0")
-    c.axhline(np.arctan(np.pi), color="0.5", ls="--", lw=0.8, label="arctan(pi), arctan(pi/2)")
-    c.axhline(np.arctan(np.pi / 2), color="0.5", ls="--", lw=0.8)
+    lam_sad, lam_peak = paper.diagnostics["lam_sad"], paper.diagnostics["lam_peak"]  # the detector's own (Alg. 2)
+    named = {np.pi: "pi", np.pi / 2: "pi/2"}  # the paper's defaults by name
+    c.axhline(np.arctan(lam_sad), color="0.5", ls="--", lw=0.8,
+              label=", ".join(f"arctan({named.get(v, f'{v:.3g}')})" for v in (lam_sad, lam_peak)))
+    c.axhline(np.arctan(lam_peak), color="0.5", ls="--", lw=0.8)
     mark_truth(c, d_true)
     c.set_title("(c) arctan-transformed spectrum a_i")
     c.set_xlabel("index i")
