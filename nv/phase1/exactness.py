@@ -11,6 +11,7 @@ replayed on the stored draws (``adaptive_replay``): its stopping point without n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict
 from functools import partial
@@ -22,9 +23,11 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from nv.errors import NVError
+from nv.models.loading import release_memory
+from nv.oracle import Simulator
 from nv.phase1.adaptive import Round, after, assess, folder_estimate, round_estimate, schedule
 from nv.phase1.pipeline import common_set, estimate_all
-from nv.phase1.sampling import SampledMatrix, load_samples, manifest, thinned_folder
+from nv.phase1.sampling import SampledMatrix, collect, load_samples, manifest, thinned_folder
 from nv.phase1.spectrum import SpectrumEstimate, d_interval
 
 OUTCOMES = ("exact", "not saturated", "no estimate", "wrong")
@@ -279,3 +282,37 @@ def adaptive_stop(folder: str | Path, sampling: dict, robust: dict, seed: int) -
         return meta["adaptive"], meta["stop"]
     rounds, why = adaptive_replay(folder, sampling, robust, seed)
     return [asdict(r) for r in rounds], why
+
+
+def run_grids(runs: list, model: dict, sampling: dict, spectrum: dict, exactness: dict, seed: int,
+              root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The exactness stage over every real model's phase-1 run (``nv.outputs.phase1_runs``): ``grid`` at each
+    temperature (each N thinned from disk, never beside the whole sample; at sampling.temperature the run's own draws
+    and its budget sweep's cells), and where ``sampling.N: auto`` stops on those draws (``adaptive_stop``). Draws at
+    another temperature are collected first under ``root``/.cache, with the model loaded once, and it is freed before
+    any grid (peak memory). Returns the grid table and the stops (one row per run; ints kept beside a null)."""
+    tables, stops = [], []
+    for run in runs:
+        spec, d_true = run.spec, run.d_true
+        folders, oracle = {}, None
+        for tau in exactness["temperatures" if run.item is None else "validation_temperatures"]:
+            if tau == sampling["temperature"]:
+                folders[tau] = run.samples
+                continue
+            oracle = oracle or Simulator.from_params({**model, "spec": spec})
+            prompts = json.loads(run.prompts.read_text())[: max(exactness["D_values"])]
+            folders[tau] = collect(oracle, prompts, max(exactness["N_values"]), tau, seed,
+                                   root / ".cache" / "exactness" / f"{spec}-tau-{tau:g}", oracle.vocab_size,
+                                   checkpoint_root=root / ".cache" / "checkpoints", identity={"model": {**model, "spec": spec}},
+                                   chunk=sampling["chunk"])
+        del oracle
+        release_memory()
+        for tau, folder in folders.items():
+            swept = pd.read_csv(run.sweep) if tau == sampling["temperature"] else None  # its cells of all the prompts
+            tables.append(grid(folder, exactness["D_values"], exactness["N_values"], spectrum, seed, d_true, spec, sweep=swept))
+            if tau == sampling["temperature"]:
+                rounds, why = adaptive_stop(folder, sampling, spectrum["robust"], seed)
+                last = {k: rounds[-1][k] if rounds else None for k in ("N", "tokens", "calls", "d_hat_raw", "lower_bound")}
+                stops.append({"model": spec, "temperature": tau, "d_true": d_true, "stop": why,
+                              "rounds": rounds[-1]["round"] + 1 if rounds else 0} | last)
+    return pd.concat(tables, ignore_index=True), pd.DataFrame(stops, dtype=object)

@@ -322,3 +322,25 @@ def _first_level(logp: np.ndarray, d: int, grid: np.ndarray, rng: np.random.Gene
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if big_enough(mid) else (mid + 1, hi)
     return lo
+
+
+def figure_tables(logp: np.ndarray, D_values: Iterable[int], d_values: Iterable[int], delta: float, grid_points: int,
+                  runs: int, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """Fig. expected-N-vs-D's data from the white-box log-probs ``logp`` (the first D prompts for each D): per (D, d),
+    d on 12 geometric steps across ``d_values`` and those themselves, Theorem 1's expected N (``expected_samples``)
+    and Corollary 1's bound (``tflat_samples``); at each d of ``d_values`` the empirical 95 % N over ``runs`` runs
+    (``empirical_around``) and each run's N. Rows of the theory, of the empirical summary, of the runs."""
+    d_values = list(d_values)
+    d_theory = np.unique(np.r_[np.geomspace(min(d_values), max(d_values), 12).round(), d_values])
+    theory, rows, per_run = [], [], []
+    for D in sorted(D_values):
+        lp = logp[:D]
+        for d, n_exp in zip(d_theory, expected_samples(lp, d_theory)):
+            n_bound, V_sub, t = tflat_samples(lp, d, delta)
+            theory.append({"D": D, "d": int(d), "expected_N": n_exp, "bound_N": n_bound, "bound_V_sub": V_sub, "bound_t": t})
+            if d in d_values:
+                emp, step = empirical_around(lp, int(d), n_exp, n_bound, grid_points, runs, seed)
+                rows.append({"D": D, "d": int(d), "n95": emp.n95, "mean": emp.mean, "sd": emp.sd, "runs": runs,
+                             "grid_step": step, "expected_N": n_exp, "bound_N": n_bound})
+                per_run += [{"D": D, "d": int(d), "run": r, "N": int(n)} for r, n in enumerate(emp.per_run)]
+    return theory, rows, per_run
