@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import signal
 import sys
 import threading
@@ -35,7 +36,8 @@ def run_main(work: Callable[[], object]) -> int:
     """Run an entry point's ``work``: an NVError becomes ``error: MESSAGE`` on stderr and exit status 2, as do a
     full disk (ENOSPC, EDQUOT: the file it failed to write) and a path of the wrong kind or out of this user's reach
     (EISDIR, ENOTDIR, EACCES, EPERM, EROFS: the path); Ctrl-C exit status 130 and SIGTERM 143 (finished work is
-    checkpointed, paid replies in flight are journaled, so the same command resumes), and a further Ctrl-C while the
+    checkpointed, paid replies in flight are journaled, so the same command resumes), a closed stdout pipe exit status
+    141 in silence, and a further Ctrl-C while the
     interrupted work's objects are freed (a progress bar's finalizer) ends the process at once; otherwise the status
     ``work`` returns when it is an int, else 0."""
     main = threading.current_thread() is threading.main_thread()
@@ -54,6 +56,9 @@ def run_main(work: Callable[[], object]) -> int:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         print("interrupted: finished work is checkpointed; rerun the same command to resume", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
+    except BrokenPipeError:  # stdout's reader left (`nv attack --dry-run | head`): quiet, as a program SIGPIPE ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise it again
+        return 141
     except OSError as exc:
         if exc.errno in PATH_ERRORS and exc.filename:
             print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)

@@ -142,7 +142,7 @@ def disk_check(writes: list[tuple[str, Path, float]]) -> list[dict]:
     volumes: dict[int, dict] = {}
     for what, path, size in writes:
         at = Path(path).absolute()
-        while not at.exists():
+        while not at.is_dir():  # a journal that exists is a file: its folder is the volume's place
             at = at.parent
         volume = volumes.setdefault(at.stat().st_dev, {"path": str(at), "free": shutil.disk_usage(at).free, "writes": {}})
         volume["writes"][what] = size
@@ -223,7 +223,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         + ("" if not p.get("paid") else
            f"\n  already paid      {p['paid']['requests']:,} requests, {p['paid']['tokens_billed']:,} billed tokens"
            + ("" if p["paid"]["money"] is None else f", money {p['paid']['money']:.6g}")
-           + f" in {p['paid']['journal']}: a run reuses them and pays only the rest (the totals above include them)")
+           + f" in {p['paid']['journal']}: a run reuses those its plan asks for and pays only the rest; the caps count "
+           "every paid reply" + _paid_over(p["paid"], budget))
         + ("" if calibration is None else
            f"\n  phase 2 (timing)  after phase 1: {calibration['warmups']} warm-ups, the ell = 1 baseline and "
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
@@ -301,6 +302,13 @@ def _with_phase2(cost: dict, phase2: dict | None) -> tuple[int, int]:
     planned."""
     extra = phase2 or {"requests": 0, "tokens_held": 0}
     return cost["requests"] + extra["requests"], cost["tokens_billed"] + extra["tokens_held"]
+
+
+def _paid_over(paid: dict, budget: Budget) -> str:
+    """The dry run's note where the journal's spend alone passes a cap: only the requests it answers can still run."""
+    over = budget.passed(paid["requests"], paid["tokens_billed"])
+    return "" if over is None else (f" (these alone pass the {over[0]} cap, {over[2]:,.6g} > {over[1]:,.6g}: a run can use "
+                                    "only what the journal answers, and one that needs a new request stops before it)")
 
 
 def check_budget(p: dict, budget: Budget) -> None:

@@ -197,6 +197,27 @@ def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("error: ") and err.rstrip().endswith(path)
 
 
+def test_free_space_is_read_at_the_nearest_folder(tmp_path):
+    """A journal that exists is a file: the free space is its folder's (the line named the file; a review); a path not
+    made yet, its nearest existing folder's."""
+    from nv.live import disk_check
+
+    journal = tmp_path / "j.jsonl"
+    journal.write_text("")
+    (volume,) = disk_check([("journal", journal, 10), ("sample", tmp_path / "new" / "samples", 20)])
+    assert volume["path"] == str(tmp_path) and volume["writes"] == {"journal": 10, "sample": 20} and volume["fits"]
+
+
+def test_a_reader_that_leaves_ends_the_output_quietly(root):
+    """`nv attack --dry-run | head`: the plan's reader gone, the command ends with SIGPIPE's status 141 and nothing on
+    stderr (a BrokenPipeError traceback before; a review). The pipe is closed before the child writes."""
+    proc = subprocess.Popen(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--dry-run",
+                                  "--params", str(root / "params.yaml")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", err
+
+
 SLOW_TEARDOWN = """
 import signal, sys, time
 from nv.errors import run_main

@@ -167,6 +167,20 @@ def test_time_request_is_journaled_and_replayed(server, tmp_path):
         assert proxy.posts == 2
 
 
+def test_the_probe_says_what_it_sends(server, tmp_path, capsys):
+    """The probe's line names the requests it sends; a rerun replays both from the journal and says nothing (it
+    announced 2 requests that were never sent; a review)."""
+    path = tmp_path / "j.jsonl"
+    for sent in (2, 0):
+        with FaultProxy(server.base_url) as proxy:
+            oracle = HTTPOracle(proxy.url, server.model_name, journal=Journal(path, {"t": 1}), progress=True)
+            oracle.probe()
+            oracle.close()
+            oracle.journal.close()
+        err = capsys.readouterr().err
+        assert proxy.posts == sent and ("probe: 2 requests to" in err) == (sent == 2) and (err == "") == (sent == 0), err
+
+
 def test_completions_path_sends_the_raw_prompt(server, lm32):
     """`live.chat: false`: plain completions on /v1/completions with the raw prompt (no chat template, no system
     prompt), for real on the llama.cpp server. The server's prompt-token counts are the tokenizer's for the bare
@@ -342,6 +356,10 @@ def test_dry_run_plans_the_calls_the_attack_made_and_bills_nothing(baseline, ser
     paid = json.loads(again.stdout.strip().splitlines()[-1])["paid"]
     assert paid["requests"] == REQUESTS == baseline["report"]["cost"]["provider"]["calls"]
     assert f"already paid      {REQUESTS:,} requests" in again.stdout
+    # a cap the journal's spend alone passes is said beside it (it read "the totals above include them"; a review)
+    capped = run_attack(attack_args(endpoint, server.model_name, baseline["params"], baseline["out"], "--dry-run",
+                                    "--budget-calls", str(REQUESTS - 1)))
+    assert capped.returncode == 2 and f"these alone pass the calls cap, {REQUESTS:,.6g} > {REQUESTS - 1:,.6g}" in capped.stdout
     other = run_attack(attack_args(server.base_url, server.model_name, baseline["params"], baseline["out"], "--dry-run"))
     assert other.returncode == 2 and "belongs to another attack (endpoint was" in other.stderr
 
@@ -939,6 +957,10 @@ def test_the_budget_pre_check_counts_only_what_the_journal_does_not_answer():
         assert oracle.refuses(prompts, 8, 2.0, seeds) is None
         oracle.budget = Budget(calls=449)
         assert "200 requests of ~1e+05 billed tokens would pass the calls cap of 449" in oracle.refuses(prompts, 8, 2.0, seeds)
+        # a rerun at a smaller N needs nothing new: nothing to refuse, whatever the journal spent beyond it ("0 requests
+        # ... would pass the cap" stopped it; a review)
+        oracle.budget = Budget(calls=100)
+        assert oracle.refuses(prompts, 4, 2.0, seeds) is None
     finally:
         oracle.close()
 

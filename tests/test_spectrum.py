@@ -127,6 +127,16 @@ def test_the_spectrum_figure_draws_the_detectors_own_thresholds():
     assert fig.axes[2].get_legend().get_texts()[0].get_text() == "arctan(10), arctan(5)"
     default = spectrum_panels(None, paper(Y), robust(Y), None)  # the paper's pi and pi/2 by name
     assert default.axes[2].get_legend().get_texts()[0].get_text() == "arctan(pi), arctan(pi/2)"
+    # a common set below 2 x 2 has no spectrum, and its figure still draws (a live run's KeyError after every request
+    # was paid; a review of this change)
+    from nv.phase1.pipeline import estimate_both
+
+    hyper = {"paper": {"p": 0.54, "g": 128, "w": None, "w_s": None, "lam_sad": 10.0, "lam_peak": 5.0},
+             "robust": {"g": 64, "z_min": 8.0, "min_ratio": 1.05}}
+    tiny = estimate_both(Y[:1], hyper)
+    lines = [ln.get_ydata()[0] for ln in spectrum_panels(None, tiny["paper"], tiny["robust"], None).axes[2].get_lines()
+             if ln.get_linestyle() == "--"]
+    assert lines == pytest.approx([np.arctan(10.0), np.arctan(5.0)])
 
 
 def test_snap():

@@ -338,14 +338,16 @@ class HTTPOracle(Oracle):
         T = PROBE_TEMPERATURE, whose reply must carry log-probs (else nothing more is sent), then one
         at T = 0. ``n`` is honoured if n choices come back; the argmax token, almost surely drawn at
         T = 0.5, shows raw log-probs (the same value at both temperatures) or processed ones."""
-        if self.progress:
-            tqdm.write(f"probe: 2 requests to {self.base_url}: log-probs, n honoured, raw or processed (timeout "
-                       f"{self.limits.timeout:g} s, {self.limits.retries} retries)", file=sys.stderr)
         n = max(2, self.n_per_request)
-        (sampled,) = self._run([self._body(PROBE_PROMPT, PROBE_TEMPERATURE, n, 0, logprobs=True)], 1)
+        bodies = [self._body(PROBE_PROMPT, PROBE_TEMPERATURE, n, 0, logprobs=True), self._body(PROBE_PROMPT, 0.0, 1, None, logprobs=True)]
+        new = sum(self.journal.get(request_key(body)) is None for body in bodies)  # a rerun's are replayed, not sent
+        if self.progress and new:
+            tqdm.write(f"probe: {new} request{'s' * (new > 1)} to {self.base_url}: log-probs, n honoured, raw or processed "
+                       f"(timeout {self.limits.timeout:g} s, {self.limits.retries} retries)", file=sys.stderr)
+        (sampled,) = self._run(bodies[:1], 1)
         if not sampled["c"] or all(lp is None for _, lp, _ in sampled["c"]):
             raise NVError("the endpoint returned no log-probability for the sampled token")
-        (greedy,) = self._run([self._body(PROBE_PROMPT, 0.0, 1, None, logprobs=True)], 1)
+        (greedy,) = self._run(bodies[1:], 1)
         self.n_supported = len(sampled["c"]) == n
         if not self.n_supported:
             self.n_per_request = 1
@@ -579,7 +581,7 @@ class HTTPOracle(Oracle):
                                           len(sizes))
             requests += len(sizes) - paid
             tokens += int(ell) * (len(sizes) - paid) + sum(sizes[paid:])
-        over = self._over(requests, tokens)
+        over = self._over(requests, tokens) if requests else None  # nothing to pay passes no cap
         return None if over is None else (f"{requests:,} requests of ~{tokens:.3g} billed tokens would pass the "
                                           f"{over[0]} cap of {over[1]:,.6g} (spent so far: {self._spend()})")
 

@@ -60,6 +60,8 @@ def estimate_on(Y: np.ndarray, method: str, hyper: dict) -> SpectrumEstimate:
     if min(Y.shape) < 2:
         none = np.empty(0)
         diag = {"lambda": none, "a": none, "s_tilde": none, "sigma": none}
+        if method == "paper":  # the thresholds it would have used, as its figure panel draws them
+            diag |= {"lam_sad": hyper["lam_sad"], "lam_peak": hyper["lam_peak"]}
         return SpectrumEstimate(method, False, None, None, hyper["g"], 0 if method == "robust" else None,
                                 "not saturated" if method == "robust" else "no saddle", diag)
     return estimate(Y, method, **hyper)
