@@ -59,6 +59,8 @@ TINY = {
         "inprocess": {"r": 0.1, "trials": 5, "threads": 1, "references": "all"},
         "llamacpp": {"r": 0.1, "trials": 5, "threads": 1, "references": "all"},
     }},
+    # K' budgets within the 5 trials timed (a budget no platform times is refused; the shipped 10 was left out silently)
+    "overall": {"trials": [2, 5]},
     # phase 2 takes phase 1's d_hat, as the shipped params do (tiny phase 1 does not saturate: tests/test_pipeline.py)
     "timing_target": {"d_hat": "phase1", "p_max": 700},
     # one real second model (Qwen2.5-Coder-0.5B, d = 896), in process only; its tiny phase 1 cannot saturate either,

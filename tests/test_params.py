@@ -221,6 +221,14 @@ def test_adaptive_sampling_and_validation_entries_are_checked(tmp_path, params, 
         load_params(write(tmp_path, params))
 
 
+def test_the_tests_tiny_params_are_a_valid_configuration(root, tmp_path):
+    """The tiny pipeline's params (tests/conftest.py) pass every check at load, as the stages' would; its K' budgets
+    were refused only by the overall stage, minutes into the pipeline test."""
+    from conftest import write_tiny_params
+
+    assert load_params(write_tiny_params(root, tmp_path))["overall"]["trials"] == [2, 5]
+
+
 def test_the_family_head_size_is_the_random_models():
     """params' check of a family shape and the random model it builds take one head size."""
     from nv.models import reference_family
