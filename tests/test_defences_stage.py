@@ -150,6 +150,16 @@ def test_settings_validate_every_value(tmp_path):
             load_params(tmp_path / "params.yaml")
 
 
+def test_the_knobs_params_accepts_are_the_ones_the_stage_sweeps():
+    """params' knob list (the defence section's keys but max_temperature) and the stage's two sweeps are one set: a
+    defence key added to one alone would pass params and be skipped by the stage."""
+    from nv.defences import LOGPROB_KNOBS
+    from nv.oracle.defence import TIMING_KNOBS
+    from nv.params import SCHEMA
+
+    assert sorted(LOGPROB_KNOBS + TIMING_KNOBS) == sorted(k for k in SCHEMA["defence"] if k != "max_temperature")
+
+
 def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
     """Undefended: exact (d = 12). top_k = 8 leaves every prompt 8 tokens: not saturated, never a wrong number.
     Noise: at sigma = 2 one call's value per token buries the signal and the mean of its calls does not; at sigma = 3
