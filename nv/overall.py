@@ -1,7 +1,7 @@
 """Overall results (§5.1, Fig. err_d_L_N_plot for the attacked model): d_hat -> L_hat -> P_hat and their errors versus total budget.
 
-Phase 2 depends on phase 1 only through d_hat: Eq. 10 fits T on ell^2 d_hat, so the target's slope
-gamma_g scales as 1/d_hat and L_hat(d_hat) = L_hat(d_used) d_used / d_hat exactly; P_hat follows from
+Phase 2 depends on phase 1 only through d_hat: both depth estimators fit T on L ell^2 d_hat (the basic one, whose
+L_hat is used here, and Eq. 10), so L_hat(d_hat) = L_hat(d_used) d_used / d_hat exactly; P_hat follows from
 Eq. 3. A budget point combines one phase-1 budget (a row of the budget sweep: its d_hat and tokens)
 with one timing budget (the first K' trials of every length, re-summarized and re-fitted), the total
 budget being the sum of both token counts (§5 metric).

@@ -36,7 +36,11 @@ def test_schedule_grows_geometrically_to_n_max():
     # a growth barely above 1: a round per call (10^6 of them, planned by the dry run in a hang), refused in one line
     with pytest.raises(NVError, match=r"sampling.growth = 1.0000001 takes more than 64 rounds .* at least 1.07"):
         schedule(10_000, 10**6, 1.0000001)
-    assert len(schedule(1, 10**9, 1.4)) == 61  # log(10^9) / log(1.4) = 61.6 steps (fewer: ceil at small N), a plan
+    rounds, N = [1], 1  # the rounds counted independently: ceil(1.4 N) from 1, capped at 10^9
+    while N < 10**9:
+        N = min(10**9, math.ceil(1.4 * N))
+        rounds.append(N)
+    assert schedule(1, 10**9, 1.4) == rounds and len(rounds) <= 64  # within MAX_ROUNDS: a plan, not refused
     assert next_budget(225, False, sys.maxsize, 1.5) == 338  # the "next round would cost" line past N_max: no limit there
 
 

@@ -98,7 +98,8 @@ def test_attack_recovers_d_exactly(attack, sim):
 def test_attack_cost_accounting(attack, sim):
     prompts, result = attack
     V, l_sys = sim.vocab_size, result.l_sys
-    assert l_sys == sim.format.prompt_tokens("") == 30
+    template = sim.lm.tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=True, add_generation_prompt=True)
+    assert l_sys == sim.format.prompt_tokens("") == len(template["input_ids"])
     assert result.cost["calls"] == len(prompts) * V
     assert result.cost["tokens"] == sum(V * (sim.format.prompt_tokens(p) + 1) for p in prompts)
     assert result.cost["tokens"] == sum(carlini_cost(1, V, l_sys, sim.format.prompt_tokens(p) - l_sys) for p in prompts)
@@ -129,6 +130,16 @@ def test_cost_overhead_takes_the_cheapest_budget_reaching_the_target():
     assert out["ratio"] is None and out["lower_bound"] == 300.0 and out["max_tokens"] == 3 * 10**10
     with pytest.raises(NVError, match="equally long"):
         cost_overhead(tokens, np.zeros(2), N, 1)
+    # the figure names each estimator's point (it drew the robust one's alone, unnamed; a review), a lower bound where
+    # an estimator never reached the target
+    from nv.plots.theory import cost_overhead as figure
+
+    overheads = {"robust": cost_overhead(tokens, np.array([np.nan, 0.5, 0.25, 0.1]), N, 10**8),
+                 "incomplete": cost_overhead(tokens, np.array([np.nan, 0.9, 0.5, 0.31]), N, 10**8)}
+    ax = figure(576, overheads).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["robust", "incomplete"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][1:] == [
+        "robust: 100x at N = 100,000", "incomplete: rel. error <= 30% not reached, > 300x"]
 
 
 def test_bad_input(sim):

@@ -121,9 +121,13 @@ def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, 
     assert re.search(r"stopped: N_max = 2,500 reached, the estimate not yet stable; the next round \(N = 4,000\) would "
                      r"cost [\d.e+]+ more tokens \(§5\); round 2 is drawn again at that size .*: raise sampling.N_max to "
                      r"at least 4,000", proc.stderr), proc.stderr[-1000:]
+    rounds = {p: p.stat().st_mtime_ns for p in (out / ".checkpoints").rglob("*.npz")}  # every round's draws
+    sample = {p: p.read_bytes() for p in (out / "samples").glob("*.npz")}  # the merged sample, rewritten from them
     quiet = subprocess.run(NV + ["attack", "--simulate", "embedded", "--params", str(params_path), "--out", str(out),
                                  "--quiet"], capture_output=True, text=True, timeout=900)  # resumes: nothing drawn again
     assert quiet.returncode == 0 and json.loads(quiet.stdout)["adaptive_stop"] == "N_max" and "round" not in quiet.stderr
+    assert rounds and {p: p.stat().st_mtime_ns for p in (out / ".checkpoints").rglob("*.npz")} == rounds
+    assert sample and {p: p.read_bytes() for p in (out / "samples").glob("*.npz")} == sample
 
 
 def test_attack_errors_are_one_line_without_traceback(root, tmp_path):

@@ -18,7 +18,7 @@ README = (ROOT / "README.md").read_text()
 
 def equation_rows() -> list[tuple[str, list[str]]]:
     """(paper cell, backticked names of the function cell) of each row of the README's equation index."""
-    table = README.split("Every numbered equation and result of the paper", 1)[1].split("\n\n", 2)[1]
+    table = README.split("Every numbered equation and result the method uses", 1)[1].split("\n\n", 2)[1]
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     return [(cells[0].strip("| "), re.findall(r"`([A-Za-z_][\w.]*)`", cells[-1])) for cells in rows]
 

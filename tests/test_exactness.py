@@ -21,7 +21,7 @@ from nv.phase1.exactness import (GRID_COLUMNS, OUTCOMES, adaptive_replay, adapti
                                  edge_ratio, first, grid, noise_edge, outcome, threshold)
 from nv.phase1.pipeline import common_set, estimate_all, estimate_on
 from nv.phase1.sampling import collect, load_samples, save_samples, thin
-from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values
+from nv.phase1.spectrum import SpectrumEstimate, centred_singular_values, snap
 from nv.phase1.sweep import budget_sweep
 from nv.plots import save
 from nv.plots.exactness import MARKERS, OUTCOME_COLORS
@@ -141,11 +141,22 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
         texts = [t.get_text() for t in ax.texts]
         said = cells[cells.method != "paper"]  # the robust and missing-data estimators' lower bounds
         assert sum(t.startswith(">=") for t in texts) == said.d_hat_raw.isna().sum()
-    # the cheapest exact cell is labelled with its cost where there is one, and nowhere in the hopeless panel
-    labels = [t.get_text() for t in drawn[f"toy, tau = {S.temperature:g}, true d = {oracle.rank}"].texts]
-    assert f"robust: {best.loc['robust', 'tokens']:.2g} tokens" in labels and any(t.startswith("paper: ") for t in labels)
-    assert not [t.get_text() for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts if "tokens" in t.get_text()
-                and not t.get_text().startswith("paper: ")]
+    # the corner lists each estimator's cheapest exact cell with its cost and raw answer (the paper estimator's also as
+    # Alg. 2 snaps it), and none in the hopeless panel; the paper's own budget is the star's label
+    corner = [t.get_text() for t in drawn[f"toy, tau = {S.temperature:g}, true d = {oracle.rank}"].texts
+              if t.get_text().startswith("cheapest exact")]
+    b = best.loc["robust"]
+    raw = table[(table.method == "robust") & (table.D == b.D) & (table.N == b.N)].d_hat_raw.iloc[0]
+    assert len(corner) == 1 and f"robust: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f}\n" in corner[0] + "\n"
+    assert any(t.get_text().startswith("paper's budget: ") for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts)
+    assert [t.get_text() for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts if t.get_text().startswith("cheapest")] \
+        == ["cheapest exact (ringed):\nnone on this grid"]
+    # the toy's paper estimator is exact nowhere: given the robust one's answers, its line says what Alg. 2 reports
+    as_paper = pd.concat([table[table.method == "robust"], table[table.method == "robust"].assign(method="paper")])
+    snapped = [t.get_text() for t in grid_figure(as_paper, None, None, paper_g=8).axes[0].texts if t.get_text().startswith("cheapest")]
+    raw = table[(table.method == "robust") & (table.D == b.D) & (table.N == b.N)].d_hat_raw.iloc[0]
+    assert f"paper: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f} (Alg. 2 reports {snap(int(raw), 8)})" in snapped[0]
+    assert "Alg. 2" not in snapped[0].split("paper: ")[0]  # the robust estimator's line is its raw answer alone
     assert save(fig, tmp_path / "grid.png").stat().st_size > 20_000
 
 

@@ -897,7 +897,7 @@ def test_journal_read_in_pieces_keeps_every_reply(tmp_path, monkeypatch, caplog)
     """Linux returns at most 2 GiB per read: a journal read in one ``os.pread`` came back short past that size, its
     rest looked like a torn last line and was truncated away, paid replies with it. Here every read is short (as past
     2 GiB), positional or through the file the reader opens; the journal loads every reply and its file keeps every
-    byte."""
+    byte. The short reads are patched in: a real journal past 2 GiB would cost the suite minutes and the disk 2 GiB."""
     path = tmp_path / "j.jsonl"
     j = Journal(path, {"endpoint": "e"})
     for k in range(200):

@@ -122,11 +122,19 @@ def test_the_spectrum_figure_draws_the_detectors_own_thresholds():
 
     Y = logprob_like(80, 60, 10)
     fig = spectrum_panels(None, paper(Y, lam_sad=10.0, lam_peak=5.0), robust(Y), None)
-    lines = [ln.get_ydata()[0] for ln in fig.axes[2].get_lines() if ln.get_linestyle() == "--"]
+    lines = [ln.get_ydata()[0] for ln in fig.axes[2].get_lines() if ln.get_linestyle() in ("--", ":")
+             and ln.get_label().startswith("arctan")]
     assert lines == pytest.approx([np.arctan(10.0), np.arctan(5.0)])
-    assert fig.axes[2].get_legend().get_texts()[0].get_text() == "arctan(10), arctan(5)"
+    assert [t.get_text() for t in fig.axes[2].get_legend().get_texts()][:2] == [
+        "arctan(10): the saddle is sought below it", "arctan(5): the peak is sought below it"]
     default = spectrum_panels(None, paper(Y), robust(Y), None)  # the paper's pi and pi/2 by name
-    assert default.axes[2].get_legend().get_texts()[0].get_text() == "arctan(pi), arctan(pi/2)"
+    assert default.axes[2].get_legend().get_texts()[0].get_text() == "arctan(pi): the saddle is sought below it"
+    # panel (d) shades the indices whose a_i is above arctan(lam_sad), where Alg. 2 takes no minimum as the saddle
+    a = paper(Y).diagnostics["a"]
+    for lam_sad, figure in ((np.pi, default), (10.0, fig)):
+        (shade,) = [c for c in figure.axes[3].collections if c.get_label().endswith("no saddle sought")]
+        x = shade.get_paths()[0].vertices[:, 0]
+        assert x.min() == 1 and x.max() == pytest.approx(np.flatnonzero(a > np.arctan(lam_sad)).max() + 1)
     # a common set below 2 x 2 has no spectrum, and its figure still draws (a live run's KeyError after every request
     # was paid; a review of this change)
     from nv.phase1.pipeline import estimate_both
@@ -135,7 +143,7 @@ def test_the_spectrum_figure_draws_the_detectors_own_thresholds():
              "robust": {"g": 64, "z_min": 8.0, "min_ratio": 1.05}}
     tiny = estimate_both(Y[:1], hyper)
     lines = [ln.get_ydata()[0] for ln in spectrum_panels(None, tiny["paper"], tiny["robust"], None).axes[2].get_lines()
-             if ln.get_linestyle() == "--"]
+             if ln.get_label().startswith("arctan")]
     assert lines == pytest.approx([np.arctan(10.0), np.arctan(5.0)])
 
 

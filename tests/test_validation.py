@@ -147,3 +147,21 @@ def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero(
     assert [ax.get_xlabel() for ax in fig.axes] == ["API calls", "cost (USD at $0.6 per million tokens)"] * 2
     assert sorted(x for line in _lines(fig.axes[0], "X") for x in line.get_xdata()) == [1e7, 1e7, 1e8]
     _legible(fig)
+
+
+def test_the_overall_figure_writes_out_the_estimates_its_markers_stack():
+    """The timing budgets K' add a few tokens to one phase-1 budget, so their markers sit on one another (a review):
+    the figure also writes each budget's errors out; a budget without d_hat is a cross in the band, not a line."""
+    from nv.plots.overall import error_vs_budget
+
+    rows = [{"N": N, "platform": "inprocess", "trials": K, "phase1_tokens": 1e9 * N / 1e4, "tokens": 1e9 * N / 1e4 + K,
+             "d_hat": d_hat, "d_err": d_err, "L_err": L_err, "P_err": P_err}
+            for N, d_hat, d_err in ((10_000, None, None), (100_000, 576.0, 0.0))
+            for K, L_err, P_err in ((2, 0.1, 0.05), (5, 0.2, -0.03))]
+    table = pd.DataFrame(rows).astype({"d_hat": float, "d_err": float})
+    table.loc[table.d_hat.isna(), ["L_err", "P_err"]] = np.nan
+    (ax,) = error_vs_budget(table, "m").axes
+    assert [t.get_text() for t in ax.texts if t.get_text().startswith("N =")] == [
+        "N = 1e+05 (1e+10 tokens + timing): d 0.0 %\n   K' = 2/5: L 10.0 / 20.0 %, P 5.0 / -3.0 %"]
+    assert sorted(x for line in _lines(ax, "X") for x in line.get_xdata()) == [1e9 + 2, 1e9 + 5]
+    _legible(ax.figure)

@@ -245,7 +245,7 @@ def load_model(spec: str = EMBEDDED, dtype: str = "bfloat16", cache_dir: Path | 
 
 def bf16_gemm_native() -> bool:
     """Whether torch multiplies bf16 matrices with oneDNN on this CPU (it needs AVX-512 or better); where it does
-    not (AVX2-only hosts), torch's fallback GEMM ran a bf16 forward pass 4-6x slower than float32 (README: Determinism)."""
+    not (AVX2-only hosts), torch's fallback GEMM ran a bf16 forward pass ~6x slower than float32 (6.4x on SmolLM2; README: Determinism)."""
     import torch
 
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

@@ -5,6 +5,6 @@
 paper's estimator (Alg. 2 = Alg. commonset-dhat, Eqs. 4-5: arctan, windowed slope, saddle/peak) and the robust one;
 ``pipeline``: the whole phase on any oracle; ``sweep``: thinned budgets and the detector's interval (§5.2,
 Fig. val_plot); ``exactness``: the (D, N, tau) grid of outcomes and tokens to exact (issue 14);
-``planner``: the budget from a pilot (§4.1.2, Theorem 1); ``incomplete``: the missing-data estimator, every observed
+``planner``: the budget from a pilot (§5.2 / App. F's mean mu(N), Theorem 1); ``incomplete``: the missing-data estimator, every observed
 entry of the tokens most prompts drew (issue 14, item 3; our extension); ``inspect``: interactive spectrum inspection;
 ``entropy``: the temperature/entropy card (App. B.1.1)."""

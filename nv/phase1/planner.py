@@ -1,5 +1,5 @@
 """Budget planner for phase 1 (issue 14): from a cheap pilot, the expected common-set size mu(N) of the full attack
-and the N at which it reaches a target, with §4.1.2's mean formula (the first step of Theorem 1's proof)
+and the N at which it reaches a target, with the mean formula of §5.2 and App. F (Step 1 of Theorem 1's proof)
 
     mu(N) = sum_i prod_q (1 - (1 - p_q^(i))^N),
 

@@ -146,8 +146,9 @@ def fit_scaling(L: np.ndarray, d: np.ndarray, ell: np.ndarray, T: np.ndarray, si
 def fit_gamma(d: np.ndarray, ell: np.ndarray, T: np.ndarray, sigma: np.ndarray) -> LineFit:
     """L-unknown fit T ~ gamma ell^2 d + zeta: slope = gamma, intercept = zeta.
 
-    Over a model set with true d it is Eq. 6's gamma^ref; with spectral d_hat it is Eq. 7's gamma^tgt;
-    on the target's own points alone it is the held-out gamma^tgt_g of Eq. 10.
+    Over a model set with true d it is Eq. 6's gamma^ref; Eq. 7's gamma^tgt (the paper: with the target platform's
+    spectral d_hat) is fitted here with the references' true d (``evaluation.held_out``); on the target's own
+    points alone it is the held-out gamma^tgt_g of Eq. 10.
     """
     return weighted_line(_check_lengths(ell) ** 2 * np.asarray(d), T, sigma)
 
@@ -160,7 +161,7 @@ def transfer_factor(gamma_tgt: float, gamma_ref: float) -> float:
 
 
 def infer_depth(gamma_g: float, beta_ref: float, k: float = 1.0) -> float:
-    """Eq. 10: L_hat_g = gamma^tgt_g / (k beta^ref); k = 1 is the same-platform estimator of §4.2."""
+    """Eq. 10: L_hat_g = gamma^tgt_g / (k beta^ref), gamma^tgt_g from the target's own free-intercept fit."""
     if beta_ref <= 0 or k <= 0:
         raise NVError(f"beta_ref and k must be positive, got beta_ref={beta_ref}, k={k}")
     return gamma_g / (k * beta_ref)

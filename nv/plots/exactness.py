@@ -8,27 +8,31 @@ import numpy as np
 import pandas as pd
 
 from nv.phase1.exactness import OUTCOMES, cheapest_exact
+from nv.phase1.spectrum import snap
 
 OUTCOME_COLORS = dict(zip(OUTCOMES, ("tab:green", "tab:orange", "0.65", "tab:red")))
 MARKERS = {"robust": (0.8, "s"), "paper": (1.0, "o"), "incomplete": (1.25, "D")}  # x shift of each estimator, marker
 
 
-def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None):
+def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None,
+         paper_g: int | None = None):
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust), a circle (paper
-    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome, dashed lines of equal token cost, the cheapest exact cell of each estimator
-    ringed; ``paper_budget`` = (D, N) of the paper's own sampling, a star (its token cost at the panel's mean prompt
-    length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model, temperature, N, d_hat_raw, stop), a triangle
-    where the adaptive loop stopped on all D prompts."""
+    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome (exact: d_hat_raw
+    within ``d_interval``'s max(3, 0.5 %)), dashed lines of equal token cost, the cheapest exact cell of each estimator
+    ringed and listed in the panel's corner with its raw answer (and, given ``paper_g``, the paper estimator's as
+    Alg. 2 reports it, snapped to g ceil(d_hat / g)); ``paper_budget`` = (D, N) of the paper's own sampling, a star
+    (its token cost at the panel's mean prompt length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model,
+    temperature, N, d_hat_raw, stop), a triangle where the adaptive loop stopped on all D prompts."""
     panels = list(table.groupby(["model", "temperature"], sort=False))
     ncols = 2 if len(panels) == 4 else min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 5.4 * nrows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     best = cheapest_exact(table).set_index(["model", "temperature", "method"])
     shift = {m: v for m, v in MARKERS.items() if m in set(table.method)}
-    offset = {"robust": 12, "paper": -18, "incomplete": 24}  # the cheapest cells' labels, clear of each other
     for ax, ((model, tau), g) in zip(axes.flat, panels):
+        cheapest = []
         per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
         for k, (method, (x, marker)) in enumerate(shift.items()):
             rows = g[g.method == method]
@@ -42,8 +46,12 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
             b = best.loc[(model, tau, method)]
             if np.isfinite(b.tokens):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
-                ax.annotate(f"{method}: {b.tokens:.2g} tokens", (b.N * x, b.D), textcoords="offset points",
-                            xytext=(0, offset[method]), ha="center", fontsize=7)
+                raw = rows[(rows.D == b.D) & (rows.N == b.N)].d_hat_raw.iloc[0]
+                snapped = f" (Alg. 2 reports {snap(int(raw), paper_g)})" if method == "paper" and paper_g else ""
+                cheapest.append(f"{method}: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f}{snapped}")
+        ax.text(0.02, 0.98, "cheapest exact (ringed):\n" + ("\n".join(cheapest) or "none on this grid"),
+                transform=ax.transAxes, ha="left", va="top", fontsize=6.5, zorder=5,
+                bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
         stops = adaptive[(adaptive.model == model) & (adaptive.temperature == tau) & adaptive.N.notna()] \
             if adaptive is not None and len(adaptive) else pd.DataFrame()
         above = offset_copy(ax.transData, fig=fig, y=26, units="points")  # over its own (N, all D) cell, pointing at it
@@ -59,20 +67,22 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
         if paper_budget:
             D_p, N_p = paper_budget
             ax.scatter(N_p, D_p, marker="*", s=220, color="k", zorder=4)
-            ax.annotate(f"paper: {D_p * N_p * per_call:.2g} tokens", (N_p, D_p), textcoords="offset points", xytext=(0, -16),
-                        ha="center", fontsize=7)
-            N_hi, D_hi = max(N_hi, N_p * 2), max(D_hi, D_p * 1.6)
+            ax.annotate(f"paper's budget: {D_p * N_p * per_call:.2g} tokens", (N_p, D_p), textcoords="offset points",
+                        xytext=(-10, 0), ha="right", va="center", fontsize=7)
+            N_hi, D_hi = max(N_hi, N_p * 2), max(D_hi, D_p * 2.5)  # room above the star for the corner list
         N_line = np.geomspace(N_lo, N_hi, 50)
         for exponent in range(int(np.floor(np.log10(D_lo * N_lo * per_call))),
                               int(np.ceil(np.log10(D_hi * N_hi * per_call))) + 1):
             ax.plot(N_line, 10.0**exponent / (per_call * N_line), ls="--", color="0.75", lw=0.8, zorder=1)
-            N_label = 10.0**exponent / (per_call * D_hi / 1.25)
-            if N_lo < N_label < N_hi:
-                ax.text(N_label, D_hi / 1.25, f"1e{exponent}", fontsize=7, color="0.5", ha="center", va="center",
+            D_label = 10.0**exponent / (per_call * N_hi / 1.25)  # at the right edge, clear of the corner list
+            if D_lo < D_label < D_hi:
+                ax.text(N_hi / 1.25, D_label, f"1e{exponent}", fontsize=7, color="0.5", ha="center", va="center",
                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
         ax.set(xscale="log", yscale="log", xlim=(N_lo, N_hi), ylim=(D_lo, D_hi), xlabel="samples per prompt N",
                ylabel="prompts D", title=f"{model}, tau = {tau:g}, true d = {int(g.d_true.iloc[0])}")
-    handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k", label=o) for o, c in OUTCOME_COLORS.items()]
+    handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k",
+                          label="exact: |d_hat_raw - d| <= max(3, 0.5 % d)" if o == "exact" else o)
+               for o, c in OUTCOME_COLORS.items()]
     handles += [plt.Line2D([], [], ls="", marker=marker, mfc="w", mec="k", label=f"{method} ({where})")
                 for (method, (_, marker)), where in zip(shift.items(), ("left", "middle", "right") if len(shift) == 3
                                                         else ("left", "right"))]
@@ -80,7 +90,7 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
     if adaptive is not None and len(adaptive):
         handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (over its cell)"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // 2), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), the first D prompts, N calls thinned")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig

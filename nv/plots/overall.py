@@ -10,8 +10,9 @@ from nv.plots.validation import fail_band, k_markers, log_axis
 
 def error_vs_budget(table: pd.DataFrame, model: str):
     """One panel per platform: relative errors of d, L and P against the total tokens (phase 1 +
-    timing); a colour per estimate, a marker per timing budget K' (trials per length). Phase-1 budgets without a
-    saturated spectrum have no d_hat: red crosses in the "no estimate" band above the axes."""
+    timing); a colour per estimate, a marker per timing budget K' (trials per length), and the values written out in
+    a corner (the K' markers of one phase-1 budget stack). Phase-1 budgets without a saturated spectrum have no d_hat:
+    red crosses in the "no estimate" band above the axes."""
     platforms = list(dict.fromkeys(table.platform))
     fig, axes = plt.subplots(1, len(platforms), figsize=(6.2 * len(platforms), 4.6), squeeze=False, sharey=True)
     for ax, platform in zip(axes[0], platforms):
@@ -25,6 +26,14 @@ def error_vs_budget(table: pd.DataFrame, model: str):
         for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
             ax.plot([], [], "-", color=color, label=f"{what}_hat")
         fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105, "spectrum not saturated: no d_hat")
+        # the timing budgets add few tokens to a phase-1 budget: their markers stack, so the values are also written out
+        lines = [f"N = {N:.0e} ({rows.phase1_tokens.iloc[0]:.2g} tokens + timing): d {100 * rows.d_err.iloc[0]:.1f} %\n"
+                 f"   K' = {'/'.join(f'{k:g}' for k in rows.trials)}: L {' / '.join(f'{100 * v:.1f}' for v in rows.L_err)} %, "
+                 f"P {' / '.join(f'{100 * v:.1f}' for v in rows.P_err)} %"
+                 for N, rows in sub[sub.d_hat.notna()].sort_values("trials").groupby("N")]
+        if lines:
+            ax.text(0.02, 0.86, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=7,
+                    bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
         ax.axhline(30, ls=":", color="0.5", lw=1)
         ax.set_ylim(-4, 115)
         log_axis(ax, "total budget (tokens: phase 1 + timing)")

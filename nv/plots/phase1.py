@@ -29,7 +29,7 @@ def temperature_entropy(rows: dict[str, np.ndarray], temperatures: tuple[float, 
                 f"top-{top_k} mass {top_k_mass(logp, top_k):.0%}\nentropy {entropy_nats(logp):.2f} nats",
                 transform=ax.transAxes, ha="right", va="top", fontsize=9,
             )
-            ax.set_title(f"{label}, T = {tau:g}", fontsize=10)
+            ax.set_title(f"{label}\nT = {tau:g}", fontsize=9)  # one line ran into the next panel's title
             ax.set_xlabel("token rank")
         axes[r, 0].set_ylabel("probability")
     axes[0, 1].annotate("uniform 1/|V|", xy=(2, 1 / len(p)), xytext=(2, 3 / len(p)), fontsize=8, color="0.3")
@@ -118,9 +118,9 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     c.plot(np.arange(1, len(av) + 1), av, color="C0")
     lam_sad, lam_peak = paper.diagnostics["lam_sad"], paper.diagnostics["lam_peak"]  # the detector's own (Alg. 2)
     named = {np.pi: "pi", np.pi / 2: "pi/2"}  # the paper's defaults by name
-    c.axhline(np.arctan(lam_sad), color="0.5", ls="--", lw=0.8,
-              label=", ".join(f"arctan({named.get(v, f'{v:.3g}')})" for v in (lam_sad, lam_peak)))
-    c.axhline(np.arctan(lam_peak), color="0.5", ls="--", lw=0.8)
+    sad, peak = (f"arctan({named.get(v, f'{v:.3g}')})" for v in (lam_sad, lam_peak))
+    c.axhline(np.arctan(lam_sad), color="0.5", ls="--", lw=0.8, label=f"{sad}: the saddle is sought below it")
+    c.axhline(np.arctan(lam_peak), color="0.5", ls=":", lw=1.0, label=f"{peak}: the peak is sought below it")
     mark_truth(c, d_true)
     c.set_title("(c) arctan-transformed spectrum a_i")
     c.set_xlabel("index i")
@@ -128,6 +128,10 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     c.legend(fontsize=8)
     s = paper.diagnostics["s_tilde"]
     d.plot(np.arange(1, len(s) + 1), s, color="C0", label="smoothed slope s_tilde")
+    unsought = np.asarray(av) > np.arctan(lam_sad)  # Alg. 2 takes no minimum of s_tilde there as the saddle
+    if unsought.any():
+        d.fill_between(np.arange(1, len(av) + 1), 0, 1, where=unsought, transform=d.get_xaxis_transform(), color="0.88",
+                       zorder=0, label=f"a_i > {sad}: no saddle sought")
     i_sad, i_peak = paper.diagnostics.get("i_sad"), paper.diagnostics.get("i_peak")
     if i_sad is not None:
         d.axvline(i_sad, color="C4", ls=":", label=f"saddle i_sad = {i_sad}")

@@ -69,30 +69,38 @@ def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
 
 def errors(table: pd.DataFrame):
     """Fig. val_plot_n_layers / cross_gpu: relative error of L_hat and P_hat per model and calibration;
-    dark bars: the basic estimator of §4.2 (Eq. 9), light: the same with L_hat rounded to an integer,
-    hatched: Eq. 10's gamma_g / (k beta). P_hat uses the true ratios (registry)."""
+    dark bars: the basic estimator of §4.2 (Eq. 2 solved for L; Eq. 9 across platforms), light: the same with L_hat
+    rounded to an integer, hatched: Eq. 10's gamma_g / (k beta). P_hat uses the true ratios (registry). A missing
+    estimate (no fit) is a red cross in a band under the axis, never a bar-less 0 %."""
     rows = table[table.d_source == "d_hat"]
     groups = list(dict.fromkeys(rows.calibration))
     fig, axes = plt.subplots(2, len(groups), figsize=(6.5 * len(groups), 6.6), squeeze=False, sharey="row")
-    for c, group in enumerate(groups):
-        sub = rows[rows.calibration == group]
-        x = np.arange(len(sub))
-        for r, (what, col) in enumerate([("L", "L_err{}"), ("P", "P_err_registry_raw{}")]):
-            ax, color = axes[r, c], "C0" if what == "L" else "C2"
-            rounded = "L_err_rounded" if what == "L" else "P_err_registry_rounded"
-            ax.bar(x - 0.27, 100 * sub[col.format("")], 0.27, color=color, label="basic (Eq. 9)")
+    for r, (what, col) in enumerate([("L", "L_err{}"), ("P", "P_err_registry_raw{}")]):
+        color = "C0" if what == "L" else "C2"
+        rounded = "L_err_rounded" if what == "L" else "P_err_registry_rounded"
+        top = 100 * float(np.nanmax(rows[[col.format(""), rounded, col.format("_eq10")]].to_numpy(dtype=float), initial=0.0))
+        top = max(top, 1.0)
+        for c, group in enumerate(groups):
+            ax = axes[r, c]
+            sub = rows[rows.calibration == group]
+            x = np.arange(len(sub))
+            ax.bar(x - 0.27, 100 * sub[col.format("")], 0.27, color=color,
+                   label="basic (Eq. 2 solved for L)" if group == "same platform" else "basic (Eq. 9)")
             ax.bar(x, 100 * sub[rounded], 0.27, color=color, alpha=0.4, label="basic, L_hat rounded")
             ax.bar(x + 0.27, 100 * sub[col.format("_eq10")], 0.27, color="white", edgecolor=color, hatch="///",
                    label="gamma_g / (k beta) (Eq. 10)")
-            # a bar that is missing (no fit) and one of exactly 0 % look alike: each is marked at its own place
+            # a missing bar (no fit) and one of exactly 0 % look alike: no fit is a cross under the axis, 0 % a dot on it
+            ax.axhspan(-0.14 * top, -0.02 * top, color="crimson", alpha=0.07, zorder=0)
             for shift, values in ((-0.27, sub[col.format("")]), (0.0, sub[rounded]), (0.27, sub[col.format("_eq10")])):
                 for xi, v in zip(x, values.to_numpy(dtype=float)):
                     if np.isnan(v):
-                        ax.plot(xi + shift, 0, "x", color="crimson", ms=7, mew=2, zorder=4)
+                        ax.plot(xi + shift, -0.08 * top, "x", color="crimson", ms=7, mew=2, zorder=4)
                     elif v == 0:
                         ax.plot(xi + shift, 0, "o", color=color, ms=4, zorder=4)
-            ax.plot([], [], "x", color="crimson", ms=7, mew=2, label="no fit (no estimate)")
+            ax.plot([], [], "x", color="crimson", ms=7, mew=2, label="no fit (no estimate; shaded band)")
+            ax.axhline(0, color="0.4", lw=0.8)
             ax.set_xlim(-0.6, len(sub) - 0.4)
+            ax.set_ylim(-0.14 * top, 1.08 * top)
             ax.set_xticks(x, [m + (" *" if role == "target" else "") for m, role in zip(sub.model, sub.role)], rotation=35,
                           ha="right", fontsize=7)
             ax.set(ylabel=f"relative error of {what}_hat (%)", title=f"{group}: {what}_hat")

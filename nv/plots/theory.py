@@ -59,26 +59,31 @@ def carlini_vs_common_set(carlini: dict[str, tuple[np.ndarray, int]], common_sig
     return fig
 
 
-def cost_overhead(d: int, overhead: dict):
-    """Fig. carlini_vs_us for one model: NightVision's tokens to reach the error target over Carlini's
-    d |V| (l_sys + 2) (``overhead`` from nv.theory.carlini.cost_overhead), annotated with the samples per prompt
-    N it took; an arrow marks a lower bound when the target was never reached."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+def cost_overhead(d: int, overheads: dict[str, dict]):
+    """Fig. carlini_vs_us for one model (the paper's axis d has one point here): per estimator (``overheads``: method -> nv.theory.carlini.cost_overhead),
+    NightVision's tokens to reach the error target over Carlini's d |V| (l_sys + 2), annotated with the samples per
+    prompt N it took; an upward arrow marks a lower bound where the estimator never reached the target."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     lo, hi = PAPER_OVERHEAD
     ax.axhspan(lo, hi, color="0.9", label=f"paper: {lo}-{hi}x (23 configurations)")
-    target = f"rel. error <= {overhead['max_rel_error']:.0%}"
-    if overhead["ratio"] is not None:
-        ax.scatter([d], [overhead["ratio"]], s=80, color="C0", zorder=3, label=f"this model: {overhead['ratio']:.3g}x")
-        ax.annotate(f"N = {overhead['N']:,} samples per prompt", (d, overhead["ratio"]), textcoords="offset points",
-                    xytext=(8, 4), fontsize=8)
-    else:
-        lb = overhead["lower_bound"]
-        ax.scatter([d], [lb], marker="^", s=80, color="C3", zorder=3, label=f"{target} not reached: > {lb:.3g}x")
-        ax.annotate("", xy=(d, lb * 4), xytext=(d, lb), arrowprops={"arrowstyle": "->", "color": "C3"})
+    first = next(iter(overheads.values()))
+    target = f"rel. error <= {first['max_rel_error']:.0%}"
+    markers = {"robust": "s", "paper": "o", "incomplete": "D"}  # as in the exactness grid
+    for k, (method, overhead) in enumerate(overheads.items()):
+        x = k
+        if overhead["ratio"] is not None:
+            ax.scatter([x], [overhead["ratio"]], s=70, marker=markers.get(method, "o"), color=f"C{k}", zorder=3,
+                       label=f"{method}: {overhead['ratio']:.3g}x at N = {overhead['N']:,}")
+        else:
+            lb = overhead["lower_bound"]
+            ax.scatter([x], [lb], marker="^", s=70, color=f"C{k}", zorder=3, label=f"{method}: {target} not reached, > {lb:.3g}x")
+            ax.annotate("", xy=(x, lb * 4), xytext=(x, lb), arrowprops={"arrowstyle": "->", "color": f"C{k}"})
     ax.set_yscale("log")
-    ax.set_xlabel("hidden dimension d")
+    ax.set_xlim(-0.6, len(overheads) - 0.4)
+    ax.set_xticks(range(len(overheads)), list(overheads))
+    ax.set_xlabel(f"estimator (this model: d = {d})")
     ax.set_ylabel("cost ratio (ours / Carlini et al.)")
-    ax.set_title(f"Cost overhead to reach {target} (Carlini: {overhead['carlini_tokens']:.3g} tokens)")
+    ax.set_title(f"Cost overhead to reach {target} (Carlini: {first['carlini_tokens']:.3g} tokens)")
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     return fig
