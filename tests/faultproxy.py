@@ -16,8 +16,8 @@ The POSTs (the paid calls) are numbered 0, 1, ... in arrival order; for the numb
 - ``"nousage"``: forwarded (so paid), then answered 200 with ``usage.prompt_tokens`` null;
 - ``"withhold"``: forwarded (so paid), then answered 200 with each sampled token's log-prob null (a provider's floor).
 
-``mode="html"`` answers every request with an HTML page, ``mode="401"`` with 401 Unauthorized, ``mode="401post"`` every
-POST with 401 (a server whose model list is open, as llama.cpp's with --api-key), ``mode="301"`` every request with a
+``mode="html"`` answers every request with an HTML page, ``mode="401post"`` every POST with 401 (a server whose model
+list is open, as llama.cpp's own server with --api-key; the bundled one refuses every route, ``LlamaServer(api_key=)``), ``mode="301"`` every request with a
 redirect to another host; ``mode="strip"`` removes ``logprobs`` from
 every forwarded reply (a server without log-prob support); ``mode="n"`` gives the llama.cpp server the
 ``n`` it ignores: a POST asking for n > 1 choices becomes n upstream requests (seeds seed * 1000 + i)
@@ -122,7 +122,7 @@ class FaultProxy:
         """Answer one request; False when the connection is gone."""
         if self.mode == "html":
             return await self._send(writer, 200, b"<html><body>It works!</body></html>", "text/html")
-        if self.mode == "401" or (self.mode == "401post" and method == "POST"):
+        if self.mode == "401post" and method == "POST":
             return await self._send(writer, 401, b'{"error": {"message": "unauthorized"}}')
         if self.mode == "301":
             return await self._send(writer, 301, b"", extra=f"Location: https://example.invalid{path}\r\n")

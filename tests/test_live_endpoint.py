@@ -504,16 +504,21 @@ def test_credentials_in_the_url_go_into_headers_only(baseline, server, tmp_path,
     assert len(written) > 5 and not [f for f in written if b"s3cret" in f.read_bytes() or b"auditor" in f.read_bytes()]
     assert "s3cret" not in proc.stdout + proc.stderr
     assert json.loads((out / "report.json").read_text())["endpoint"] == proxy.url
-    with FaultProxy(server.base_url, mode="401") as refusing:  # refused: the hint points at what was used
+    # refused by a real llama.cpp server that wants a key on every route: the hint points at what was used
+    with LlamaServer("embedded", n_ctx=256, n_threads=1, logprobs=False, api_key="sk-right") as refusing:
+        assert "sk-right" not in " ".join(refusing.process.args)  # the key stays off the command line
         monkeypatch.setenv("NV_TEST_KEY", "sk-wrong")
-        for url, env, fix in ((refusing.url.replace("http://", "http://auditor:wrong@"), "OPENAI_API_KEY",
+        monkeypatch.setenv("NV_TEST_RIGHT_KEY", "sk-right")
+        for url, env, fix in ((refusing.base_url.replace("http://", "http://auditor:wrong@"), "OPENAI_API_KEY",
                                "check the user and password in the URL"),
-                              (refusing.url, "NV_TEST_UNSET_KEY", "set the API key variable ($NV_TEST_UNSET_KEY)"),
-                              (refusing.url, "NV_TEST_KEY", "$NV_TEST_KEY is set, but not to a key it accepts")):
-            with HTTPOracle(url, server.model_name, api_key_env=env) as oracle, \
+                              (refusing.base_url, "NV_TEST_UNSET_KEY", "set the API key variable ($NV_TEST_UNSET_KEY)"),
+                              (refusing.base_url, "NV_TEST_KEY", "$NV_TEST_KEY is set, but not to a key it accepts")):
+            with HTTPOracle(url, refusing.model_name, api_key_env=env) as oracle, \
                     pytest.raises(NVError, match=re.escape(fix)) as err:
                 oracle.preflight()
             assert "wrong" not in str(err.value) and "refused the credentials (HTTP 401)" in str(err.value)
+        with HTTPOracle(refusing.base_url, refusing.model_name, api_key_env="NV_TEST_RIGHT_KEY") as oracle:
+            oracle.preflight()  # the right key is let in
 
 
 def test_refusals_redirects_and_malformed_urls_say_what_they_are(server, monkeypatch):
@@ -654,6 +659,14 @@ def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
     with pytest.raises(NVError, match=r"llama.cpp server exited with status 2: error: llama.cpp: Failed to load model from file: .*cut.gguf \(a file cut short") as err:
         LlamaServer(cut, n_ctx=256).start()
     assert "\n" not in str(err.value)
+
+
+def test_a_server_key_from_an_unset_variable_is_a_one_line_error(monkeypatch):
+    """``--api-key-env VAR`` with VAR unset would serve without a key, open to anyone: refused before the model loads."""
+    monkeypatch.delenv("NV_TEST_UNSET_KEY", raising=False)
+    proc = subprocess.run([sys.executable, "-m", "nv.models.llama_server", "--api-key-env", "NV_TEST_UNSET_KEY"],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "error: --api-key-env NV_TEST_UNSET_KEY: the variable is not set (or empty)\n")
 
 
 def test_the_server_holds_its_port_from_the_start_and_never_outlives_a_failed_start():

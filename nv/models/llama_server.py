@@ -58,13 +58,15 @@ class LlamaServer:
     """
 
     def __init__(self, gguf_path: str | Path = "embedded", n_ctx: int = 8192, port: int | None = None,
-                 n_threads: int | None = None, logprobs: bool = True, startup_timeout: float = 120.0) -> None:
+                 n_threads: int | None = None, logprobs: bool = True, startup_timeout: float = 120.0,
+                 api_key: str | None = None) -> None:
         self.gguf = _gguf(str(gguf_path))
         self.n_ctx = n_ctx
         self.port, self._any_port = port or free_port(), port is None
         self.n_threads = n_threads
         self.logprobs = logprobs
         self.startup_timeout = startup_timeout
+        self.api_key = api_key  # the bearer key every route then requires (401 without it); passed in the environment
         self.model_name = self.gguf.name.removesuffix(".gguf")
         self.base_url = f"http://{HOST}:{self.port}/v1"
         self.process: subprocess.Popen | None = None
@@ -98,11 +100,15 @@ class LlamaServer:
             cmd += ["--n-threads", str(self.n_threads)]
         if not self.logprobs:
             cmd += ["--no-logprobs"]
+        env = None
+        if self.api_key:  # in the child's environment, not its command line, which any local user can read
+            cmd += ["--api-key-env", API_KEY_ENV]
+            env = os.environ | {API_KEY_ENV: self.api_key}
         fd, log_path = tempfile.mkstemp(prefix="nv-llama-server-", suffix=".log")
         self.log_path = Path(log_path)
         try:
             self.process = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            pass_fds=(listener.fileno(),))
+                                            pass_fds=(listener.fileno(),), env=env)
         finally:
             os.close(fd)
             listener.close()  # the child holds its own copy
@@ -120,7 +126,8 @@ class LlamaServer:
             if self.process.poll() is not None:
                 raise NVError(f"llama.cpp server exited with status {self.process.returncode}: {self._last_log_line()}")
             try:
-                if httpx.get(f"{self.base_url}/models", timeout=2).status_code == 200:
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                if httpx.get(f"{self.base_url}/models", headers=headers, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -150,6 +157,9 @@ class LlamaServer:
         self.stop()
 
 
+API_KEY_ENV = "NV_LLAMA_SERVER_API_KEY"  # how LlamaServer hands its child the key
+
+
 def _without_extra_buffers() -> None:
     """Model params with ``use_extra_bufts = False`` (the AMX segfault workaround)."""
     import llama_cpp.llama_cpp as lib
@@ -165,9 +175,9 @@ def _without_extra_buffers() -> None:
 
 
 def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int | None, logprobs: bool = True,
-          fd: int | None = None) -> None:
+          fd: int | None = None, api_key: str | None = None) -> None:
     """Run the server in this process until it is stopped (127.0.0.1 only): on ``port``, or on the listening socket
-    ``fd`` a parent bound (``LlamaServer``)."""
+    ``fd`` a parent bound (``LlamaServer``); with ``api_key``, every route wants it as a bearer token."""
     try:
         import uvicorn
         from llama_cpp.server.app import create_app
@@ -180,7 +190,7 @@ def serve(model: str, port: int, n_ctx: int, alias: str | None, n_threads: int |
                 "logits_all": logprobs, "verbose": False}
     if n_threads:
         settings.update(n_threads=n_threads, n_threads_batch=n_threads)
-    server, models = ServerSettings(host=HOST, port=port), [ModelSettings(**settings)]
+    server, models = ServerSettings(host=HOST, port=port, api_key=api_key), [ModelSettings(**settings)]
     try:
         app = create_app(server_settings=server, model_settings=models)
     except ValueError as exc:  # llama.cpp's "Failed to load model from file ..." / "Failed to create llama_context"
@@ -203,9 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-threads", type=int, default=None, help="CPU threads (llama.cpp default when omitted)")
     parser.add_argument("--alias", default=None, help="model name the server answers to (default: the file name)")
     parser.add_argument("--no-logprobs", action="store_true", help="logits_all off: faster prefill, no log-probs")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR", help="answer only requests whose bearer token is "
+                        "this environment variable's value (HTTP 401 otherwise; the key stays off the command line)")
     args = parser.parse_args(argv)
+
+    def key() -> str | None:
+        if args.api_key_env is None:
+            return None
+        if not os.environ.get(args.api_key_env):
+            raise NVError(f"--api-key-env {args.api_key_env}: the variable is not set (or empty)")
+        return os.environ[args.api_key_env]
+
     return run_main(lambda: serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs,
-                                  args.fd))
+                                  args.fd, key()))
 
 
 if __name__ == "__main__":
