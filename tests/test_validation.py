@@ -165,3 +165,25 @@ def test_the_overall_figure_writes_out_the_estimates_its_markers_stack():
         "N = 1e+05 (1e+10 tokens + timing): d 0.0 %\n   K' = 2/5: L 10.0 / 20.0 %, P 5.0 / -3.0 %"]
     assert sorted(x for line in _lines(ax, "X") for x in line.get_xdata()) == [1e9 + 2, 1e9 + 5]
     _legible(ax.figure)
+
+
+def test_the_budget_sweep_figure_names_its_no_estimate_band_on_the_axis():
+    """validation_budget.png: a budget without an estimate is its estimator's marker in the band, with the reason; the
+    band is named by a y tick, where no marker can cover it (the paper detector's '+' at the last budget struck the
+    in-band label through; a review), and no error tick sits in it."""
+    from nv.plots.phase1 import BAND, budget_sweep
+
+    table = pd.DataFrame([{"tokens": t, "method": m, "d_hat_raw": raw, "rel_error": err, "reason": reason}
+                          for t in (1e9, 1e10)
+                          for m, raw, err, reason in (("robust", None if t < 1e10 else 576.0, None if t < 1e10 else 0.0,
+                                                       "not saturated" if t < 1e10 else "ok"),
+                                                      ("paper", None, None, "no saddle"))]).astype({"d_hat_raw": float, "rel_error": float})
+    ax = budget_sweep(table, 576).axes[0]
+    ticks = dict(zip(ax.get_yticks(), (t.get_text() for t in ax.get_yticklabels())))
+    assert ticks[BAND] == "no\nestimate" and all(float(v) <= 100 for k, v in ticks.items() if k != BAND)
+    assert not [t for t in ax.texts if t.get_text() == "no estimate"]
+    failed = sorted((line.get_xdata()[0], line.get_marker()) for line in ax.get_lines()
+                    if len(line.get_ydata()) == 1 and line.get_ydata()[0] == BAND)
+    assert failed == [(1e9, "+"), (1e9, "x"), (1e10, "+")]
+    assert sorted(t.get_text() for t in ax.texts) == ["no saddle", "no saddle", "not saturated"]
+    _legible(ax.figure)
