@@ -136,10 +136,15 @@ def test_cost_overhead_takes_the_cheapest_budget_reaching_the_target():
 
     overheads = {"robust": cost_overhead(tokens, np.array([np.nan, 0.5, 0.25, 0.1]), N, 10**8),
                  "incomplete": cost_overhead(tokens, np.array([np.nan, 0.9, 0.5, 0.31]), N, 10**8)}
-    ax = figure(576, overheads).axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["robust", "incomplete"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()][1:] == [
-        "robust: 100x at N = 100,000", "incomplete: rel. error <= 30% not reached, > 300x"]
+    ax = figure(576, overheads | {"paper": overheads["robust"]}).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["robust", "incomplete", "paper"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "the paper's range: 12-190x (23 configurations)", "robust: 100x at N = 100,000",
+        "incomplete: rel. error <= 30% not reached, > 300x", "paper's detector: 100x at N = 100,000"]
+    (arrow,) = ax.texts  # the lower bound's upward arrow is drawn: its tip inside the axes
+    assert arrow.xy == (1, 1200.0) and ax.get_ylim()[1] >= 1200 and arrow.get_annotation_clip() is False
+    with pytest.raises(NVError, match="at least one estimator"):
+        figure(576, {})
 
 
 def test_bad_input(sim):

@@ -147,7 +147,7 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
               if t.get_text().startswith("cheapest exact")]
     b = best.loc["robust"]
     raw = table[(table.method == "robust") & (table.D == b.D) & (table.N == b.N)].d_hat_raw.iloc[0]
-    assert len(corner) == 1 and f"robust: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f}\n" in corner[0] + "\n"
+    assert len(corner) == 1 and f"robust: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.3g}, raw {raw:.0f}\n" in corner[0] + "\n"
     assert any(t.get_text().startswith("paper's budget: ") for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts)
     assert [t.get_text() for t in drawn[f"toy, tau = 1, true d = {oracle.rank}"].texts if t.get_text().startswith("cheapest")] \
         == ["cheapest exact (ringed):\nnone on this grid"]
@@ -155,7 +155,7 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
     as_paper = pd.concat([table[table.method == "robust"], table[table.method == "robust"].assign(method="paper")])
     snapped = [t.get_text() for t in grid_figure(as_paper, None, None, paper_g=8).axes[0].texts if t.get_text().startswith("cheapest")]
     raw = table[(table.method == "robust") & (table.D == b.D) & (table.N == b.N)].d_hat_raw.iloc[0]
-    assert f"paper: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f} (Alg. 2 reports {snap(int(raw), 8)})" in snapped[0]
+    assert f"paper: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.3g}, raw {raw:.0f} (Alg. 2 reports {snap(int(raw), 8)})" in snapped[0]
     assert "Alg. 2" not in snapped[0].split("paper: ")[0]  # the robust estimator's line is its raw answer alone
     assert save(fig, tmp_path / "grid.png").stat().st_size > 20_000
 

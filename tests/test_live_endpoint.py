@@ -662,11 +662,14 @@ def test_a_corrupt_gguf_is_a_one_line_server_error(tmp_path):
 
 
 def test_a_server_key_from_an_unset_variable_is_a_one_line_error(monkeypatch):
-    """``--api-key-env VAR`` with VAR unset would serve without a key, open to anyone: refused before the model loads."""
+    """``--api-key-env VAR`` with VAR unset, or an empty key, would serve without a key, open to anyone: refused before
+    the model loads."""
     monkeypatch.delenv("NV_TEST_UNSET_KEY", raising=False)
     proc = subprocess.run([sys.executable, "-m", "nv.models.llama_server", "--api-key-env", "NV_TEST_UNSET_KEY"],
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, "error: --api-key-env NV_TEST_UNSET_KEY: the variable is not set (or empty)\n")
+    with pytest.raises(NVError, match="an empty api_key would serve with no key at all"):  # nor from Python
+        LlamaServer("embedded", api_key="")
 
 
 def test_the_server_holds_its_port_from_the_start_and_never_outlives_a_failed_start():

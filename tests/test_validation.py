@@ -156,13 +156,15 @@ def test_the_overall_figure_writes_out_the_estimates_its_markers_stack():
 
     rows = [{"N": N, "platform": "inprocess", "trials": K, "phase1_tokens": 1e9 * N / 1e4, "tokens": 1e9 * N / 1e4 + K,
              "d_hat": d_hat, "d_err": d_err, "L_err": L_err, "P_err": P_err}
-            for N, d_hat, d_err in ((10_000, None, None), (100_000, 576.0, 0.0))
+            for N, d_hat, d_err in ((10_000, None, None), (100_000, 576.0, 0.0), (150_000, 576.0, 0.0))
             for K, L_err, P_err in ((2, 0.1, 0.05), (5, 0.2, -0.03))]
     table = pd.DataFrame(rows).astype({"d_hat": float, "d_err": float})
     table.loc[table.d_hat.isna(), ["L_err", "P_err"]] = np.nan
+    table.loc[(table.N == 150_000) & (table.trials == 2), ["L_err", "P_err"]] = np.nan  # a timing budget without a fit
     (ax,) = error_vs_budget(table, "m").axes
-    assert [t.get_text() for t in ax.texts if t.get_text().startswith("N =")] == [
-        "N = 1e+05 (1e+10 tokens + timing): d 0.0 %\n   K' = 2/5: L 10.0 / 20.0 %, P 5.0 / -3.0 %"]
+    assert [t.get_text() for t in ax.texts if t.get_text().startswith("N =")] == ["\n".join([  # 1.5e+05 is not 2e+05
+        "N = 1e+05 (1e+10 tokens + timing): d 0.0 %\n   K' = 2/5: L 10.0 / 20.0 %, P 5.0 / -3.0 %",
+        "N = 1.5e+05 (1.5e+10 tokens + timing): d 0.0 %\n   K' = 2/5: L no fit / 20.0 %, P no fit / -3.0 %"])]
     assert sorted(x for line in _lines(ax, "X") for x in line.get_xdata()) == [1e9 + 2, 1e9 + 5]
     _legible(ax.figure)
 
@@ -187,3 +189,9 @@ def test_the_budget_sweep_figure_names_its_no_estimate_band_on_the_axis():
     assert failed == [(1e9, "+"), (1e9, "x"), (1e10, "+")]
     assert sorted(t.get_text() for t in ax.texts) == ["no saddle", "no saddle", "not saturated"]
     _legible(ax.figure)
+    # a wrong estimate 150 % off sits on the 100 line with its value, not in the band or clipped out of the axes
+    wrong = pd.concat([table, pd.DataFrame([{"tokens": 1e11, "method": "robust", "d_hat_raw": 1440.0, "rel_error": 1.5,
+                                             "reason": "ok"}])], ignore_index=True)
+    ax = budget_sweep(wrong, 576).axes[0]
+    (robust,) = [line for line in ax.get_lines() if line.get_label() == "robust: d_hat"]
+    assert list(robust.get_ydata()) == [0.0, 100.0] and "150 %" in [t.get_text() for t in ax.texts]

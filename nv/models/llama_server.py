@@ -66,7 +66,9 @@ class LlamaServer:
         self.n_threads = n_threads
         self.logprobs = logprobs
         self.startup_timeout = startup_timeout
-        self.api_key = api_key  # the bearer key every route then requires (401 without it); passed in the environment
+        if api_key is not None and not api_key:
+            raise NVError("LlamaServer: an empty api_key would serve with no key at all; give a key or None")
+        self.api_key = api_key  # the bearer key every /v1 route then requires (401 without it); passed in the environment
         self.model_name = self.gguf.name.removesuffix(".gguf")
         self.base_url = f"http://{HOST}:{self.port}/v1"
         self.process: subprocess.Popen | None = None
@@ -101,7 +103,7 @@ class LlamaServer:
         if not self.logprobs:
             cmd += ["--no-logprobs"]
         env = None
-        if self.api_key:  # in the child's environment, not its command line, which any local user can read
+        if self.api_key is not None:  # in the child's environment, not its command line, which any local user can read
             cmd += ["--api-key-env", API_KEY_ENV]
             env = os.environ | {API_KEY_ENV: self.api_key}
         fd, log_path = tempfile.mkstemp(prefix="nv-llama-server-", suffix=".log")
@@ -126,7 +128,7 @@ class LlamaServer:
             if self.process.poll() is not None:
                 raise NVError(f"llama.cpp server exited with status {self.process.returncode}: {self._last_log_line()}")
             try:
-                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
                 if httpx.get(f"{self.base_url}/models", headers=headers, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         if not os.environ.get(args.api_key_env):
             raise NVError(f"--api-key-env {args.api_key_env}: the variable is not set (or empty)")
-        return os.environ[args.api_key_env]
+        return os.environ.pop(args.api_key_env)  # read once, not left in the server's environment
 
     return run_main(lambda: serve(args.model, args.port, args.n_ctx, args.alias, args.n_threads, not args.no_logprobs,
                                   args.fd, key()))

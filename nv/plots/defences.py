@@ -82,7 +82,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
             ax.axhspan(0, tol, color="green", alpha=0.12, label=f"exact (|error| <= {tol:g})")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
             ax.annotate("no estimate", (0.01, top * 1.1), xycoords=("axes fraction", "data"), color="red", fontsize=8,
-                        ha="left", va="center")  # over the undefended setting, never in the band (a cross hid it at the right)
+                        ha="left", va="center")  # over the undefended setting, which fails only if the attack does undefended
             ax.set_ylim(-5, top * 1.2)
             ax.set_yticks(np.arange(0, top + 1, 50))  # no tick in the band: a cross there is no error value
             ax.set_ylabel(f"|d_hat_raw - d| ({estimator})")
@@ -104,7 +104,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
             ax.axhline(100 * L_tolerance, color="0.4", ls=":", lw=1, label=f"attack works below {100 * L_tolerance:g} %")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
             ax.annotate("no fit", (0.01, top * 1.1), xycoords=("axes fraction", "data"), color="red", fontsize=8,
-                        ha="left", va="center")  # over the undefended setting, never in the band (a cross hid it at the right)
+                        ha="left", va="center")  # over the undefended setting, which fails only if the attack does undefended
             ax.set_ylim(-3, top * 1.2)
             ax.set_yticks(np.arange(0, top + 1, 25))
             ax.set_ylabel("|L_hat - L| / L (%)")

@@ -17,8 +17,8 @@ MARKERS = {"robust": (0.8, "s"), "paper": (1.0, "o"), "incomplete": (1.25, "D")}
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None,
          paper_g: int | None = None):
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust), a circle (paper
-    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome (exact: d_hat_raw
-    within ``d_interval``'s max(3, 0.5 %)), dashed lines of equal token cost, the cheapest exact cell of each estimator
+    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome (exact: d within
+    ``d_interval``'s max(3, 0.5 % of d_hat_raw) of d_hat_raw), dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed and listed in the panel's corner with its raw answer (and, given ``paper_g``, the paper estimator's as
     Alg. 2 reports it, snapped to g ceil(d_hat / g)); ``paper_budget`` = (D, N) of the paper's own sampling, a star
     (its token cost at the panel's mean prompt length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model,
@@ -48,7 +48,7 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
                 raw = rows[(rows.D == b.D) & (rows.N == b.N)].d_hat_raw.iloc[0]
                 snapped = f" (Alg. 2 reports {snap(int(raw), paper_g)})" if method == "paper" and paper_g else ""
-                cheapest.append(f"{method}: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.0e}, raw {raw:.0f}{snapped}")
+                cheapest.append(f"{method}: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.3g}, raw {raw:.0f}{snapped}")
         ax.text(0.02, 0.98, "cheapest exact (ringed):\n" + ("\n".join(cheapest) or "none on this grid"),
                 transform=ax.transAxes, ha="left", va="top", fontsize=6.5, zorder=5,
                 bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
@@ -81,7 +81,7 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
         ax.set(xscale="log", yscale="log", xlim=(N_lo, N_hi), ylim=(D_lo, D_hi), xlabel="samples per prompt N",
                ylabel="prompts D", title=f"{model}, tau = {tau:g}, true d = {int(g.d_true.iloc[0])}")
     handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k",
-                          label="exact: |d_hat_raw - d| <= max(3, 0.5 % d)" if o == "exact" else o)
+                          label="exact: |d_hat_raw - d| <= max(3, 0.5 % d_hat_raw)" if o == "exact" else o)
                for o, c in OUTCOME_COLORS.items()]
     handles += [plt.Line2D([], [], ls="", marker=marker, mfc="w", mec="k", label=f"{method} ({where})")
                 for (method, (_, marker)), where in zip(shift.items(), ("left", "middle", "right") if len(shift) == 3

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from nv.plots.validation import fail_band, k_markers, log_axis
+
+
+def _percents(errors) -> str:
+    """Relative errors as "1.0 / 2.0 %"; a timing budget without a fit says so."""
+    return " / ".join(f"{100 * v:.1f}" if np.isfinite(v) else "no fit" for v in errors) + " %"
 
 
 def error_vs_budget(table: pd.DataFrame, model: str):
@@ -27,9 +33,8 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             ax.plot([], [], "-", color=color, label=f"{what}_hat")
         fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105, "spectrum not saturated: no d_hat")
         # the timing budgets add few tokens to a phase-1 budget: their markers stack, so the values are also written out
-        lines = [f"N = {N:.0e} ({rows.phase1_tokens.iloc[0]:.2g} tokens + timing): d {100 * rows.d_err.iloc[0]:.1f} %\n"
-                 f"   K' = {'/'.join(f'{k:g}' for k in rows.trials)}: L {' / '.join(f'{100 * v:.1f}' for v in rows.L_err)} %, "
-                 f"P {' / '.join(f'{100 * v:.1f}' for v in rows.P_err)} %"
+        lines = [f"N = {N:.3g} ({rows.phase1_tokens.iloc[0]:.2g} tokens + timing): d {100 * rows.d_err.iloc[0]:.1f} %\n"
+                 f"   K' = {'/'.join(f'{k:g}' for k in rows.trials)}: L {_percents(rows.L_err)}, P {_percents(rows.P_err)}"
                  for N, rows in sub[sub.d_hat.notna()].sort_values("trials").groupby("N")]
         if lines:
             ax.text(0.02, 0.86, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=7,

@@ -164,8 +164,11 @@ def budget_sweep(table, d_true: int | None):
         if rows.empty:
             continue
         ok = rows[rows.d_hat_raw.notna()]
-        ax.plot(ok.tokens, ok.rel_error * 100, "-", color=color, marker=ok_marker, ms=ok_ms,
+        ax.plot(ok.tokens, np.minimum(ok.rel_error * 100, 100), "-", color=color, marker=ok_marker, ms=ok_ms,
                 mfc="none" if hollow else color, label=f"{method}: d_hat")
+        for _, r in ok[ok.rel_error > 1].iterrows():  # an error over 100 % sits on the 100 line with its value, not in the band
+            ax.annotate(f"{100 * r.rel_error:.0f} %", (r.tokens, 100), textcoords="offset points", xytext=(4, -10),
+                        fontsize=7, color=color)
         fail = rows[rows.d_hat_raw.isna()]
         for _, r in fail.iterrows():  # in the band above the error axis: no error value, the reason written by it
             ax.plot(r.tokens, BAND, marker, color=color, ms=ms)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from nv.errors import NVError
 from nv.plots import mark_truth
 
 PAPER_OVERHEAD = (12, 190)  # §5: NightVision costs ~12-190x the logit-bias attack (23 configurations)
@@ -63,22 +64,28 @@ def cost_overhead(d: int, overheads: dict[str, dict]):
     """Fig. carlini_vs_us for one model (the paper's axis d has one point here): per estimator (``overheads``: method -> nv.theory.carlini.cost_overhead),
     NightVision's tokens to reach the error target over Carlini's d |V| (l_sys + 2), annotated with the samples per
     prompt N it took; an upward arrow marks a lower bound where the estimator never reached the target."""
+    if not overheads:
+        raise NVError("the cost-overhead figure needs at least one estimator's budget sweep")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     lo, hi = PAPER_OVERHEAD
-    ax.axhspan(lo, hi, color="0.9", label=f"paper: {lo}-{hi}x (23 configurations)")
+    ax.axhspan(lo, hi, color="0.9", label=f"the paper's range: {lo}-{hi}x (23 configurations)")
     first = next(iter(overheads.values()))
     target = f"rel. error <= {first['max_rel_error']:.0%}"
     markers = {"robust": "s", "paper": "o", "incomplete": "D"}  # as in the exactness grid
     for k, (method, overhead) in enumerate(overheads.items()):
-        x = k
+        x, name = k, {"paper": "paper's detector"}.get(method, method)  # not the paper's range above
         if overhead["ratio"] is not None:
             ax.scatter([x], [overhead["ratio"]], s=70, marker=markers.get(method, "o"), color=f"C{k}", zorder=3,
-                       label=f"{method}: {overhead['ratio']:.3g}x at N = {overhead['N']:,}")
+                       label=f"{name}: {overhead['ratio']:.3g}x at N = {overhead['N']:,}")
         else:
             lb = overhead["lower_bound"]
-            ax.scatter([x], [lb], marker="^", s=70, color=f"C{k}", zorder=3, label=f"{method}: {target} not reached, > {lb:.3g}x")
-            ax.annotate("", xy=(x, lb * 4), xytext=(x, lb), arrowprops={"arrowstyle": "->", "color": f"C{k}"})
+            ax.scatter([x], [lb], marker="^", s=70, color=f"C{k}", zorder=3, label=f"{name}: {target} not reached, > {lb:.3g}x")
+            ax.annotate("", xy=(x, lb * 4), xytext=(x, lb), arrowprops={"arrowstyle": "->", "color": f"C{k}"},
+                        annotation_clip=False)
     ax.set_yscale("log")
+    bounds = [o["lower_bound"] for o in overheads.values() if o["ratio"] is None]
+    if bounds:  # room for the arrows over the lower bounds
+        ax.set_ylim(top=max(ax.get_ylim()[1], 5 * max(bounds)))
     ax.set_xlim(-0.6, len(overheads) - 0.4)
     ax.set_xticks(range(len(overheads)), list(overheads))
     ax.set_xlabel(f"estimator (this model: d = {d})")
