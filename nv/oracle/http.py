@@ -340,7 +340,7 @@ class HTTPOracle(Oracle):
         T = 0.5, shows raw log-probs (the same value at both temperatures) or processed ones."""
         n = max(2, self.n_per_request)
         bodies = [self._body(PROBE_PROMPT, PROBE_TEMPERATURE, n, 0, logprobs=True), self._body(PROBE_PROMPT, 0.0, 1, None, logprobs=True)]
-        new = sum(self.journal.get(request_key(body)) is None for body in bodies)  # a rerun's are replayed, not sent
+        new = sum(request_key(body) not in self.journal for body in bodies)  # a rerun's are replayed, not sent
         if self.progress and new:
             tqdm.write(f"probe: {new} request{'s' * (new > 1)} to {self.base_url}: log-probs, n honoured, raw or processed "
                        f"(timeout {self.limits.timeout:g} s, {self.limits.retries} retries)", file=sys.stderr)

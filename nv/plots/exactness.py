@@ -9,9 +9,11 @@ import pandas as pd
 
 from nv.phase1.exactness import OUTCOMES, cheapest_exact
 from nv.phase1.spectrum import snap
+from nv.plots import ESTIMATOR_MARKERS
 
 OUTCOME_COLORS = dict(zip(OUTCOMES, ("tab:green", "tab:orange", "0.65", "tab:red")))
-MARKERS = {"robust": (0.8, "s"), "paper": (1.0, "o"), "incomplete": (1.25, "D")}  # x shift of each estimator, marker
+MARKERS = {method: (shift, ESTIMATOR_MARKERS[method])  # x shift of each estimator, marker
+           for method, shift in (("robust", 0.8), ("paper", 1.0), ("incomplete", 1.25))}
 
 
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None,

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from nv.errors import NVError
-from nv.plots import mark_truth
+from nv.plots import ESTIMATOR_MARKERS, mark_truth
 
 PAPER_OVERHEAD = (12, 190)  # §5: NightVision costs ~12-190x the logit-bias attack (23 configurations)
 
@@ -71,11 +71,10 @@ def cost_overhead(d: int, overheads: dict[str, dict]):
     ax.axhspan(lo, hi, color="0.9", label=f"the paper's range: {lo}-{hi}x (23 configurations)")
     first = next(iter(overheads.values()))
     target = f"rel. error <= {first['max_rel_error']:.0%}"
-    markers = {"robust": "s", "paper": "o", "incomplete": "D"}  # as in the exactness grid
     for k, (method, overhead) in enumerate(overheads.items()):
         x, name = k, {"paper": "paper's detector"}.get(method, method)  # not the paper's range above
         if overhead["ratio"] is not None:
-            ax.scatter([x], [overhead["ratio"]], s=70, marker=markers.get(method, "o"), color=f"C{k}", zorder=3,
+            ax.scatter([x], [overhead["ratio"]], s=70, marker=ESTIMATOR_MARKERS.get(method, "o"), color=f"C{k}", zorder=3,
                        label=f"{name}: {overhead['ratio']:.3g}x at N = {overhead['N']:,}")
         else:
             lb = overhead["lower_bound"]
