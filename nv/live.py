@@ -111,13 +111,18 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
         "prompt_tokens_per_call": params["live"]["prompt_tokens"],
         "prompt_tokens_from": "estimate: live.prompt_tokens" if drawn is None else "measured by the pilot",
         "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
-        "journal_bytes": {k: v * total["requests"] for k, v in JOURNAL_BYTES.items()},
     }
     if timing is not None:
         from nv.phase2.live import timing_cost
 
         out["phase2"] = timing_cost(timing["calibration"], timing["d_hat"], timing["p_max"])
         out["phase2"]["money"] = budget.money_of(out["phase2"]["tokens_billed"])
+    # the journal and the disk are sized for the rounds a cap lets run (the cumulative costs grow: a prefix), not for
+    # N_max's worst case, which warned of a full volume a capped run never reaches (a review, 2026-12-07)
+    affordable = sum(budget.passed(*_with_phase2(r, out.get("phase2"))) is None for r in out["rounds"])
+    sized = rounds[:affordable] if adaptive and 0 < affordable < len(rounds) else rounds
+    out["sized_N"] = sized[-1]
+    out["journal_bytes"] = {k: v * out["rounds"][len(sized) - 1]["requests"] for k, v in JOURNAL_BYTES.items()}
     if drawn is not None:
         from nv.phase1.planner import disk_bytes, fit
 
@@ -127,7 +132,7 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
                         "common_set": {size: None if n is None else _cost(params, budget, math.ceil(n))
                                        | {"disk": disk_bytes(tail, search["D"], [math.ceil(n)])["sample"]}
                                        for size, n in needed.items()},
-                        "disk": disk_bytes(tail, search["D"], rounds, adaptive)}
+                        "disk": disk_bytes(tail, search["D"], sized, adaptive)}
     if places is not None:
         writes = [("journal", places["journal"], out["journal_bytes"]["disk"])]
         if "pilot" in out:
@@ -211,8 +216,9 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  tokens (billed)   {p['tokens_billed']:,} (prompt tokens once per request){money}\n"
         f"  time              {_duration(p['minutes_at_rate_limits'], live)}\n"
         f"  journal           ~{_size(p['journal_bytes']['disk'])} on disk, ~{_size(p['journal_bytes']['memory'])} of memory "
-        "while the attack runs (an index of every paid reply; the figures of one-sample replies: README, Live endpoint)\n"
-        f"  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
+        "while the attack runs (an index of every paid reply; the figures of one-sample replies: README, Live endpoint)"
+        + _capped(p) + "\n"
+        "  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
         + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
         + "".join(f"\n  disk free         ~{_size(v['free'])} at {v['path']}, for the "
@@ -290,11 +296,16 @@ def _format_pilot(p: dict, money_given: bool) -> str:
         lines.append(f"                    |C| = {size:,}: {cost}")
     lines.append("                    (the robust estimator needs |C| > d, and more on a noisy spectrum: README, planner)")
     disk = pilot["disk"]
-    lines.append(f"  disk (pilot)      the sample at N = {p['N']:,}: ~{_size(disk['sample'])}"
+    lines.append(f"  disk (pilot)      the sample at N = {p['sized_N']:,}{_capped(p)}: ~{_size(disk['sample'])}"
                  + (f"; the adaptive loop's peak there ~{_size(disk['peak'])} (every round's draws kept beside it, and "
                     "the merged sample before it or a round's check copy; a sqrt 2 step after a failed check adds a "
                     "round's draws)" if p["adaptive"] else "") + ", under --out (the pilot's fit, which errs low: README, planner)")
     return "\n".join(lines)
+
+
+def _capped(p: dict) -> str:
+    """Where the journal and the disk are sized short of N_max: at the last round the budget affords."""
+    return "" if p["sized_N"] == p["N"] else f", to N = {p['sized_N']:,}, the last round the budget affords"
 
 
 def _with_phase2(cost: dict, phase2: dict | None) -> tuple[int, int]:

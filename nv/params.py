@@ -264,6 +264,9 @@ def check_section(name: str, section: object) -> dict:
                           f"into a number of heads that n_kv_heads = {entry['n_kv_heads']} divides")
     if name == "sampling" and section["N0"] > section["N_max"]:  # before the prompt search pays (the rounds' own check)
         raise NVError(f"params: 'sampling.N0' = {section['N0']:,} is above 'sampling.N_max' = {section['N_max']:,}")
+    if name == "search" and section["rounds"] * section["batch_size"] < section["D"]:  # before the probe pays (search's own check)
+        raise NVError(f"params: 'search.rounds' x 'search.batch_size' = {section['rounds'] * section['batch_size']:,} "
+                      f"prompts evaluated at most, fewer than 'search.D' = {section['D']:,}")
     if name == "timing":
         _discard_fits(section, "params")
         for platform, cfg in section["platforms"].items():
@@ -425,7 +428,9 @@ def load_params(path: str | Path = "params.yaml", sections: list[str] | None = N
         raise NVError(f"params file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise NVError(f"params file {path} must be a mapping of sections")
-    seed = raw.get("seed")
+    if "seed" not in raw:
+        raise NVError(f"params: missing key 'seed' in {path}")
+    seed = raw["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:  # torch.manual_seed's range
         raise NVError(f"params: 'seed' must be an int in [0, 2^63), got {seed!r}")
     unknown = [k for k in raw if k != "seed" and k not in SCHEMA]

@@ -59,6 +59,7 @@ class FaultProxy:
         self.forwarded: list[dict] = []
         self.authorizations: list[str | None] = []
         self.in_flight = 0
+        self._handlers: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.base_events.Server | None = None
@@ -93,9 +94,14 @@ class FaultProxy:
 
     async def _stop(self) -> None:
         self._server.close()
+        for task in self._handlers:  # a held request's handler ends here, not pending at the loop's close
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         await self._client.aclose()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._handlers.add(task := asyncio.current_task())
+        task.add_done_callback(self._handlers.discard)
         try:
             while True:  # keep-alive: one request after another on this connection
                 try:

@@ -130,6 +130,28 @@ def test_attack_simulate_adaptive_rounds_stop_at_n_max_with_a_lower_bound(root, 
     assert sample and {p: p.read_bytes() for p in (out / "samples").glob("*.npz")} == sample
 
 
+def test_an_adaptive_dry_run_sizes_the_journal_for_the_last_round_a_cap_affords(root, tmp_path):
+    """The shipped params (N: auto up to N_max = 10^6) under a money cap: the rounds past the cap are marked, and the
+    journal (and its volume's check) is sized for the last round the cap lets run; it was N_max's ~372 GiB, with a
+    "not enough" warning for a run the cap stops at a sixth of it (a review, 2026-12-07). Without a cap, N_max's."""
+    from nv.live import JOURNAL_BYTES
+
+    planned = NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--params", str(root / "params.yaml"),
+                    "--dry-run", "--out", str(tmp_path / "o"), "--price-per-mtok", "0.2"]
+    plans = {}
+    for cap in ([], ["--budget-money", "5000"]):
+        dry = subprocess.run(planned + cap, capture_output=True, text=True, timeout=300)
+        assert dry.returncode == 0, dry.stderr[-2000:]
+        plans[bool(cap)] = (json.loads(dry.stdout.strip().splitlines()[-1]), dry.stdout)
+    (free, _), (capped, text) = plans[False], plans[True]
+    assert free["sized_N"] == free["N"] == 10**6 and free["journal_bytes"]["disk"] == JOURNAL_BYTES["disk"] * free["requests"]
+    last = max(i for i, r in enumerate(capped["rounds"]) if r["money"] <= 5000)
+    assert 0 < last < len(capped["rounds"]) - 1 and capped["sized_N"] == capped["rounds"][last]["N"] < capped["N"]
+    assert capped["journal_bytes"]["disk"] == JOURNAL_BYTES["disk"] * capped["rounds"][last]["requests"]
+    assert capped["disk_free"][0]["writes"]["journal"] == capped["journal_bytes"]["disk"]
+    assert f"to N = {capped['sized_N']:,}, the last round the budget affords" in text and "the run stops before this round" in text
+
+
 def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
     params = write_tiny_params(root, tmp_path)
     folder_gguf = tmp_path / "model.gguf"

@@ -197,6 +197,9 @@ def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncatio
     for mine, sent in ((0.5, 2), (0.99, 2), (1.5, 2), (-1, 2), (1, 1), (1.0, 1), (3.0, 2), (float("inf"), 2)):
         assert defend_request({"top_k": mine}, Defence(top_k=2))["top_k"] == sent and type(sent) is int, mine
     assert defend_request({"temperature": 0.8}, Defence()) == {"temperature": 0.8}  # no knob: untouched
+    # a NaN passed min/max and reached the server in place of the provider's cut (a review, 2026-12-07)
+    nan = defend_request({"top_k": float("nan"), "top_p": float("nan"), "min_p": float("nan")}, defence)
+    assert (nan["top_k"], nan["top_p"], nan["min_p"]) == (50, 0.9, 0.05)
     with pytest.raises(NVError, match="'temperature' must be a number, got True"):
         defend_request({"temperature": True}, defence)
 
@@ -378,21 +381,42 @@ def test_credentials_prefix_timeout_and_headers():
     assert "pw" not in str(info.value)
 
 
+@contextlib.asynccontextmanager
+async def dead_upstream(credentials: str = ""):
+    """The proxy in front of a port nothing listens on; yields its base URL."""
+    port = free_port()
+    runner = web.AppRunner(make_app(f"http://{credentials}127.0.0.1:{free_port()}", Defence(round_decimals=1), 0))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
 def test_unreachable_upstream_is_a_502_without_credentials():
     async def main():
-        port = free_port()
-        runner = web.AppRunner(make_app(f"http://user:s3cret@127.0.0.1:{free_port()}", Defence(round_decimals=1), 0))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with aiohttp.ClientSession() as client:
-                async with client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}) as r:
-                    return r.status, await r.json()
-        finally:
-            await runner.cleanup()
+        async with dead_upstream("user:s3cret@") as url, aiohttp.ClientSession() as client:
+            async with client.post(f"{url}/completions", json={"prompt": "x"}) as r:
+                return r.status, await r.json()
 
     status, body = asyncio.run(main())
     assert status == 502 and "unreachable" in body["error"]["message"] and "s3cret" not in json.dumps(body)
+
+
+def test_the_attacks_free_check_names_a_failing_upstream():
+    """The attack's model-list check through the proxy, its upstream down: the server's own 502 message, not the hint
+    of a wrong base URL it gave every non-JSON reply before (a review, 2026-12-07)."""
+    from nv.oracle.http import HTTPOracle
+
+    async def main():
+        async with dead_upstream() as url:
+            with HTTPOracle(url, "m") as oracle:
+                await asyncio.to_thread(oracle.preflight)
+
+    with pytest.raises(NVError, match=r"/v1/models failed: HTTP 502 nv defend: upstream http://127\.0\.0\.1:\d+ unreachable") as err:
+        asyncio.run(main())
+    assert "ending in /v1" not in str(err.value) and "\n" not in str(err.value)
 
 
 def test_defence_values_on_the_command_line():

@@ -4,6 +4,7 @@ kill -9 change nothing in the result, nothing completed is paid twice, bad input
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -447,6 +449,29 @@ def test_ctrl_c_or_sigterm_journals_the_replies_in_flight(baseline, server, root
     report = json.loads((out / "report.json").read_text())
     assert result(report) == result(baseline["report"])
     assert report["cost"]["provider"]["calls"] == REQUESTS  # the resumed run's cost is everything paid
+
+
+def test_a_second_ctrl_c_abandons_the_replies_in_flight_cleanly(server):
+    """Ctrl-C, then Ctrl-C again while both requests in flight hang (the proxy holds them for 40 s): the second one
+    returns at once and leaves no task running on the request thread. The task used to stay pending there to the
+    interpreter's exit, which printed "Task was destroyed but it is pending!" with its coroutine's frame after the
+    attack's own lines (a review, 2026-12-07: `nv attack` behind `nv defend`'s random delays, with progress bars)."""
+    async def running():
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's own, whatever started the tests
+    try:
+        with FaultProxy(server.base_url, faults={0: "timeout", 1: "timeout"}, hold=40) as proxy, \
+                HTTPOracle(proxy.url, server.model_name, limits=Limits(concurrency=2, retries=0, timeout=60)) as oracle:
+            for delay in (1.0, 2.0):
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real signal wakes the wait
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                oracle.sample(["Hello", "World"], 1, 1.0, [0, 1])
+            assert time.monotonic() - start < 20 and proxy.posts == 2  # not the 40 s hold
+            assert asyncio.run_coroutine_threadsafe(running(), oracle._loop).result() == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_budget_cap_stops_before_overspending_and_a_raised_budget_resumes(baseline, server, root, tmp_path):

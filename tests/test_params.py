@@ -58,6 +58,8 @@ def test_missing_key_section_seed_and_bad_yaml(tmp_path, params):
         load_params(write(tmp_path, params))
     with pytest.raises(NVError, match="missing section 'nope'"):
         load_params(write(tmp_path, {"seed": 1}), ["nope"])
+    with pytest.raises(NVError, match="missing key 'seed' in "):  # was "'seed' must be an int ..., got None" (a review)
+        load_params(write(tmp_path, {"search": {"D": 5}}))
     for seed in ("x", -1, 2**63):  # 2^64 passed and stopped the timing stage in torch.manual_seed (a review)
         with pytest.raises(NVError, match=re.escape(f"'seed' must be an int in [0, 2^63), got {seed!r}")):
             load_params(write(tmp_path, {"seed": seed}))
@@ -165,6 +167,9 @@ def test_load_params_refuses_an_unknown_section(tmp_path, params):
         (lambda p: p["sampling"].update(growth=1.0), "'sampling.growth' must be > 1, got 1.0"),
         # found by the sampling stage after the prompt search had run, without the keys' names (a review)
         (lambda p: p["sampling"].update(N0=2_000_000), "'sampling.N0' = 2,000,000 is above 'sampling.N_max' = 1,000,000"),
+        # the dry run planned it and the live run paid its probe before the search refused it (a review, 2026-12-07)
+        (lambda p: p["search"].update(D=40, rounds=1, batch_size=16),
+         "'search.rounds' x 'search.batch_size' = 16 prompts evaluated at most, fewer than 'search.D' = 40"),
         (lambda p: p["spectrum"]["robust"].update(min_ratio=0.5), "'spectrum.robust.min_ratio' must be >= 1"),
         (lambda p: p["validation"]["models"].update({"qwen2.5": p["validation"]["models"]["qwen-0_5b"]}),
          "'validation.models.qwen2.5': a stage item name may hold only letters, digits, '_' and '-'"),

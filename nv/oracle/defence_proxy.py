@@ -106,7 +106,7 @@ def defend_request(body: dict, defence: Defence) -> dict:
         body["temperature"] = defence.max_temperature
     for key, value in http_truncation_fields(defence).items():
         mine = body.get(key)
-        number = isinstance(mine, (int, float)) and not isinstance(mine, bool)
+        number = isinstance(mine, (int, float)) and not isinstance(mine, bool) and not math.isnan(mine)  # min/max keep a NaN
         body[key] = STRICTER[key](mine, value) if number else value
     return body
 
@@ -309,5 +309,6 @@ def serve(upstream: str, port: int, defence: Defence, seed: int | None, timeout_
         sock.close()
         raise NVError(f"cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
     active = {k: v for k, v in defence.as_dict().items() if v is not None}
-    print(f"nv defend: http://127.0.0.1:{port} -> {check_upstream(upstream)[0]}, defence {active or 'none'}", flush=True)
+    what = active or "none: it passes every reply on undefended (switch one on with --defence KEY=VALUE or params.yaml's defence)"
+    print(f"nv defend: http://127.0.0.1:{port} -> {check_upstream(upstream)[0]}, defence {what}", flush=True)
     web.run_app(app, sock=sock, print=None)

@@ -317,6 +317,9 @@ class HTTPOracle(Oracle):
         if 300 <= r.status_code < 400:
             raise NVError(f"{url} redirects (HTTP {r.status_code}) to {r.headers.get('location', '?')}: give the endpoint's "
                           "own URL as --base-url")
+        if r.status_code >= 500:  # the server's own words: a URL hint would send the user after the wrong fault (a review)
+            raise NVError(f"{url} failed: HTTP {r.status_code} {_detail(r)}".strip() + " (a server still loading, or down "
+                          "behind a proxy, answers so: retry when it is up)")
         try:
             data = r.json()
             served = [str(m["id"]) for m in data["data"]]
@@ -500,12 +503,15 @@ class HTTPOracle(Oracle):
                 future.result()
             except (_Stopped, NVError):  # a request that fails after the interrupt: moot, the run stops anyway
                 pass
+            except KeyboardInterrupt:  # again: abandon them, and end the task here rather than leave it pending to the
+                asyncio.run_coroutine_threadsafe(self._abandon(), self._loop).result()  # interpreter's exit (a review)
             raise
         finally:
             bar.close()
         return records
 
     async def _gather(self, jobs: Iterator[tuple[int, dict]], take, key_extra: dict | None, bar) -> None:
+        self._task = asyncio.current_task()
         if self._client is None:
             self._client = httpx.AsyncClient(headers=self._headers, timeout=self.limits.timeout,
                                              limits=httpx.Limits(max_connections=self.limits.concurrency))
@@ -528,6 +534,11 @@ class HTTPOracle(Oracle):
         self.journal.sync()
         if errors:
             raise errors[0]
+
+    async def _abandon(self) -> None:
+        """Cancel ``_gather``'s task (the replies in flight are dropped) and wait until it has ended."""
+        self._task.cancel()
+        await asyncio.wait({self._task})
 
     def _spend(self) -> str:
         c = self.provider_cost
