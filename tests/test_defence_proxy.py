@@ -49,6 +49,8 @@ def upstream_app(seen: list) -> web.Application:
             await asyncio.sleep(2)
         if path.endswith("/models"):
             return web.json_response({"data": [{"id": "m"}]})
+        if path.endswith("/stamped/completions"):  # the upstream's clock, in the reply and in its Date header
+            return web.json_response(TEXT | {"created": int(time.time())}, headers={"Date": "Mon, 01 Jan 2001 00:00:00 GMT"})
         if path.endswith("/leaky/chat/completions"):  # llama.cpp's prefill time and post-sampling probabilities
             reply = json.loads(json.dumps(CHAT))
             reply["timings"] = {"prompt_ms": 43.2, "prompt_per_token_ms": 0.64}
@@ -200,8 +202,9 @@ def test_request_rewriting_caps_the_temperature_and_keeps_the_stricter_truncatio
     # a NaN passed min/max and reached the server in place of the provider's cut (a review, 2026-12-07)
     nan = defend_request({"top_k": float("nan"), "top_p": float("nan"), "min_p": float("nan")}, defence)
     assert (nan["top_k"], nan["top_p"], nan["min_p"]) == (50, 0.9, 0.05)
-    with pytest.raises(NVError, match="'temperature' must be a number, got True"):
-        defend_request({"temperature": True}, defence)
+    for bad in (True, float("nan")):  # a NaN passed the cap (NaN > cap is false): a tail token every draw (a review)
+        with pytest.raises(NVError, match=f"'temperature' must be a number, got {bad}"):
+            defend_request({"temperature": bad}, defence)
 
 
 def test_truncation_closes_the_ways_around_it():
@@ -341,6 +344,16 @@ def test_the_quantum_counts_from_the_requests_last_byte():
 
     for status, seconds in asyncio.run(main()):
         assert b" 200 " in status and quantum - 0.02 < seconds < 2 * quantum - 0.3, seconds
+
+
+def test_the_upstreams_clock_does_not_pass_the_delays():
+    """The upstream's Date header and the reply's ``created``, written before the proxy's delays, passed through: a
+    client timing its requests against their second read the undefended latency through any quantum or delay (a
+    review, 2026-12-07: 0.3 s behind a 5 s quantum). The reply leaves with the proxy's own Date and second."""
+    sent = time.time()
+    (status, headers, reply), = exchange(Defence(latency_quantum_ms=2000), [("POST", "/stamped/completions", {"prompt": "x"})])[0]
+    assert status == 200 and reply["created"] >= int(sent) + 1  # stamped after the 2 s quantum, not at the upstream
+    assert "2001" not in headers["Date"]
 
 
 def test_every_top_list_is_defended_whatever_sits_beside_it():

@@ -22,7 +22,8 @@ the temperature, ``post_sampling_probs``/``n_probs`` return probabilities instea
 route (403: it might return log-probs in a shape the proxy does not know), an upstream reply to a completion that is
 not a JSON object (502). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
 the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
-provider's ``openai-processing-ms`` likewise). ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
+provider's ``openai-processing-ms`` likewise, and the upstream's ``Date``); its ``created`` is the second it leaves
+the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
 does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
 waits the same delays. GET requests to ``READABLE`` (the model list, health) pass through unchanged; other routes are
 refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
@@ -58,8 +59,9 @@ REPLY_FIELDS = {
     "entry": {"id", "token", "logprob", "bytes", "top_logprobs"},  # chat: content[i] and its top_logprobs[j]
 }
 # headers a defended reply keeps: these, and the rate-limit family (x-ratelimit-*); not Server-Timing or a provider's
-# processing time (openai-processing-ms), which carry the upstream's own timing
-REPLY_HEADERS = {"content-type", "date", "server", "x-request-id", "retry-after"}
+# processing time (openai-processing-ms), which carry the upstream's own timing, nor its Date, written before the
+# delays (the proxy's own is the time the reply leaves)
+REPLY_HEADERS = {"content-type", "server", "x-request-id", "retry-after"}
 PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 # the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor (a top_k the
@@ -100,7 +102,7 @@ def defend_request(body: dict, defence: Defence) -> dict:
     check_untruncating(body, defence)
     body = dict(body)
     t = body.get("temperature")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t)):  # NaN passed the cap
         raise NVError(f"'temperature' must be a number, got {t!r}")
     if defence.max_temperature is not None and (1.0 if t is None else t) > defence.max_temperature:
         body["temperature"] = defence.max_temperature
@@ -277,7 +279,7 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 if not isinstance(reply, dict):
                     return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
                                        "not passed on undefended")
-                body = json.dumps(defend_reply(reply, defence, rng)).encode()
+                reply = defend_reply(reply, defence, rng)
             kind = passed.get("Content-Type", "application/json") if status != 200 else "application/json"
             passed = CIMultiDict((k, v) for k, v in passed.items()
                                  if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
@@ -288,6 +290,10 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 elapsed = time.monotonic() - start + wait
                 wait += math.ceil(elapsed / q) * q - elapsed
             await asyncio.sleep(wait)
+            if status == 200:  # stamped when it leaves: the upstream's second, read against the client's own clock,
+                if "created" in reply:  # dated its reply before every delay (a review, 2026-12-07)
+                    reply["created"] = int(time.time())
+                body = json.dumps(reply).encode()
         return web.Response(body=body, status=status, headers=passed)
 
     app = web.Application(client_max_size=64 * 2**20)
