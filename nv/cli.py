@@ -17,7 +17,7 @@ from pathlib import Path
 from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
 from nv.outputs import write_json
-from nv.params import load_params
+from nv.params import SCHEMA, load_params
 
 PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
 
@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--upstream", required=True, metavar="URL", help="the server to defend, e.g. http://127.0.0.1:8080")
     d.add_argument("--port", type=int, required=True, metavar="P", help="port of the defended endpoint on 127.0.0.1")
     d.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
-                   help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable")
+                   help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable. KEY: "
+                        + ", ".join(SCHEMA["defence"]) + " (the *_ms in milliseconds, noise_sigma and min_logprob in "
+                        "nats, pad_to_tokens in tokens; README: Defences)")
     d.add_argument("--timeout", type=_positive, default=600.0, metavar="S",
                    help="seconds to wait for the upstream's reply before answering 504 (default 600)")
     d.add_argument("--seed", type=_count, metavar="S", help="draw the noise and delays from seed S (reproducible: for tests; "
