@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from nv.phase1.spectrum import d_interval
+from nv.plots.phase1 import name_band
 
 WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls": "none"}
 OFFSET = (-0.18, 0.0, 0.18)  # x offsets of the variants' crosses in the band, so that none hides another
@@ -81,10 +82,8 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                                 xytext=(0, -8), fontsize=7, color=color, rotation=90, ha="center", va="top")
             ax.axhspan(0, tol, color="green", alpha=0.12, label=f"exact (|error| <= {tol:g})")
             ax.axhspan(top * 1.03, top * 1.17, color="red", alpha=0.07)
-            ax.annotate("no estimate", (0.01, top * 1.1), xycoords=("axes fraction", "data"), color="red", fontsize=8,
-                        ha="left", va="center")  # over the undefended setting, which fails only if the attack does undefended
             ax.set_ylim(-5, top * 1.2)
-            ax.set_yticks(np.arange(0, top + 1, 50))  # no tick in the band: a cross there is no error value
+            name_band(ax, top * 1.1, np.arange(0, top + 1, 50))  # no error tick in the band: a cross there has no value
             ax.set_ylabel(f"|d_hat_raw - d| ({estimator})")
             ax.set_title(f"phase 1 vs {knob}")
         else:

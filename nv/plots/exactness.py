@@ -43,8 +43,9 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
             for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
                 said = f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else (
                     f">={r.lower_bound:.0f}" if pd.notna(r.lower_bound) else "")
-                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -11 - 7 * k), ha="center",
-                            fontsize=6, color="0.2")  # one line per estimator (left, middle, right), not overprinted
+                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -10 - 7 * k), ha="center",
+                            va="top", fontsize=6, color="0.2")  # one line per estimator (left, middle, right), not
+                # overprinted, and below the ring of a cheapest cell (radius ~9 points)
             b = best.loc[(model, tau, method)]
             if np.isfinite(b.tokens):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
@@ -119,8 +120,9 @@ def threshold(table: pd.DataFrame, limits: pd.DataFrame):
         row = lim.loc[model]
         if row.separates:
             ax.axvspan(row.R_max_not_exact, row.R_min_exact, color="tab:green", alpha=0.25, zorder=1)
-            ax.annotate(f"R* in ({row.R_max_not_exact:.0f}, {row.R_min_exact:.0f}] (shaded)", (0.02, 0.05),
-                        xycoords="axes fraction", fontsize=8)  # inside the axes, wherever the band lies
+            ax.annotate(f"R* in ({row.R_max_not_exact:.0f}, {row.R_min_exact:.0f}] (shaded)", (0.02, 0.97),
+                        xycoords="axes fraction", fontsize=8, va="top", zorder=5,  # top left: above the small-R cells'
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # low answers, wherever the band lies
         elif row.separates is False:
             ax.annotate("exact and not-exact cells overlap in R", (0.02, 0.95), xycoords="axes fraction", fontsize=8,
                         va="top", color="tab:red")

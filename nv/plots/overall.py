@@ -6,7 +6,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.plots.validation import fail_band, k_markers, log_axis
+from nv.plots.phase1 import name_band
+from nv.plots.validation import FAIL_Y, fail_band, k_markers, log_axis
 
 
 def _percents(errors) -> str:
@@ -31,7 +32,7 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             ax.plot([], [], marker, mfc="none", color="0.3", label=f"K' = {K} timing trials")
         for what, color in (("d", "C0"), ("L", "C1"), ("P", "C2")):
             ax.plot([], [], "-", color=color, label=f"{what}_hat")
-        fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), 105, "spectrum not saturated: no d_hat")
+        fail_band(ax, sub[sub.d_hat.isna()].tokens.unique(), FAIL_Y, "spectrum not saturated: no d_hat")
         # the timing budgets add few tokens to a phase-1 budget: their markers stack, so the values are also written out
         lines = [f"N = {N:.3g} ({rows.phase1_tokens.iloc[0]:.2g} tokens + timing): d {100 * rows.d_err.iloc[0]:.1f} %\n"
                  f"   K' = {'/'.join(f'{k:g}' for k in rows.trials)}: L {_percents(rows.L_err)}, P {_percents(rows.P_err)}"
@@ -40,7 +41,9 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             ax.text(0.02, 0.86, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=7,
                     bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
         ax.axhline(30, ls=":", color="0.5", lw=1)
-        ax.set_ylim(-4, 115)
+        ax.set_ylim(-4, FAIL_Y + 8)
+        name_band(ax, FAIL_Y, range(0, 101, 20))
+        ax.margins(x=0.08)  # the largest budget off the axis' edge
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set(ylabel="relative error (%)", title=f"{model} on {platform}")
         ax.legend(fontsize=7)

@@ -33,14 +33,14 @@ def temperature_entropy(rows: dict[str, np.ndarray], temperatures: tuple[float, 
             ax.set_xlabel("token rank")
         axes[r, 0].set_ylabel("probability")
     axes[0, 1].annotate("uniform 1/|V|", xy=(2, 1 / len(p)), xytext=(2, 3 / len(p)), fontsize=8, color="0.3")
-    fig.suptitle("Next-token distributions without and with temperature scaling (shaded: top-k tokens)")
+    fig.suptitle(f"Next-token distributions without and with temperature scaling (shaded: the top {top_k} tokens)")
     fig.tight_layout()
     return fig
 
 
 def prompt_search(argmax_prob: np.ndarray, D: int):
     """Argmax probability (T = 0 call) of every evaluated prompt, in evaluation order."""
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     cut = np.sort(argmax_prob)[D - 1]
     ax.semilogy(argmax_prob, ".", ms=2, color="0.5", label="evaluated prompt")
     ax.semilogy(np.minimum.accumulate(argmax_prob), color="C3", label="best so far")
@@ -48,7 +48,7 @@ def prompt_search(argmax_prob: np.ndarray, D: int):
     ax.set_xlabel("evaluation index")
     ax.set_ylabel("argmax probability (T = 1 value)")
     ax.set_title("High-entropy prompt search (App. B.1.1)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)  # over no point
     fig.tight_layout()
     return fig
 
@@ -78,10 +78,11 @@ def coverage(coverage_per_token: np.ndarray, D: int, D_prime: int, C: int):
     return fig
 
 
-def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | None):
+def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | None, budget: str | None = None):
     """The spectrum comparison figure: (a) full-logit singular values (white-box), (b) common-set
     eigenvalues, (c) a_i = arctan(lambda_i), (d) slope s_tilde with saddle, peak and AOI; the
-    robust estimator's row-centred singular values and its d_hat are overlaid in (b)."""
+    robust estimator's row-centred singular values and its d_hat are overlaid in (b). Without the white-box
+    spectrum, (a) lists the verdicts and the ``budget`` they were read at."""
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     a, b, c, d = axes.ravel()
     if full_sigma is not None:
@@ -95,7 +96,8 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
         a.axis("off")
         found = (f"d_hat_raw = {robust.d_hat_raw} (g = {robust.g}: {robust.d_hat})" if robust.saturated
                  else f"not saturated: d >= {robust.lower_bound}")
-        lines = ["(a) black-box run: no white-box spectrum", "", f"robust estimator: {found}",
+        lines = ["(a) black-box run: no white-box spectrum", *([f"budget: {budget}"] if budget else []), "",
+                 f"robust estimator: {found}",
                  f"paper detector: {paper.reason}" + (f", d_hat_raw = {paper.d_hat_raw}" if paper.d_hat_raw is not None else ""),
                  f"common-set spectrum: {len(robust.diagnostics['sigma'])} singular values"]
         if d_true:
@@ -149,7 +151,15 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     return fig
 
 
-BAND = 125  # budget_sweep's "no estimate" row, above the error axis (0-100 %)
+def name_band(ax, y: float, ticks) -> None:
+    """Name the "no estimate" band at height ``y`` on the y axis, a red tick beside the error ``ticks``: a label inside
+    the band was covered by its own markers (every figure with the band names it so)."""
+    ticks = list(ticks)
+    ax.set_yticks([*ticks, y], [f"{t:g}" for t in ticks] + ["no estimate"])
+    ax.yaxis.get_major_ticks()[len(ticks)].label1.set_color("red")  # also where a shared y axis hides the labels
+
+
+BAND = 130  # budget_sweep's "no estimate" band, above the error axis (0-100 %): a row in it per estimator
 
 
 def budget_sweep(table, d_true: int | None):
@@ -157,8 +167,10 @@ def budget_sweep(table, d_true: int | None):
     fig, ax = plt.subplots(figsize=(8, 4.2))
     # (colour, failure marker, its size, label offset, estimate marker, its size, hollow): the estimates' markers
     # nest (a large hollow circle, a middle square, a small diamond), so estimators that agree stay visible.
-    styles = {"robust": ("C1", "x", 10, -14, "o", 11, True), "paper": ("C0", "+", 14, 6, "s", 7, False),
-              "incomplete": ("C2", "1", 14, -26, "D", 4, False)}
+    # the failure's row in the band (data units from BAND), its reason written to its right: the three estimators'
+    # markers and reasons stacked at one budget had covered each other
+    styles = {"robust": ("C1", "x", 9, 10, "o", 11, True), "paper": ("C0", "+", 11, 0, "s", 7, False),
+              "incomplete": ("C2", "1", 11, -10, "D", 4, False)}
     for method, (color, marker, ms, dy, ok_marker, ok_ms, hollow) in styles.items():
         rows = table[table.method == method]
         if rows.empty:
@@ -171,17 +183,15 @@ def budget_sweep(table, d_true: int | None):
                         fontsize=7, color=color)
         fail = rows[rows.d_hat_raw.isna()]
         for _, r in fail.iterrows():  # in the band above the error axis: no error value, the reason written by it
-            ax.plot(r.tokens, BAND, marker, color=color, ms=ms)
-            ax.annotate(r.reason, (r.tokens, BAND), textcoords="offset points", xytext=(0, dy), ha="center", fontsize=7,
-                        color=color)
+            ax.plot(r.tokens, BAND + dy, marker, color=color, ms=ms)
+            ax.annotate(r.reason, (r.tokens, BAND + dy), textcoords="offset points", xytext=(6, 0), ha="left",
+                        va="center", fontsize=7, color=color)
     ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
-    ax.axhspan(BAND - 9, BAND + 9, color="red", alpha=0.07)
+    ax.axhspan(BAND - 16, BAND + 16, color="red", alpha=0.07)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_ylim(-5, BAND + 12)
-    ticks = list(range(0, 101, 20))  # the band is named on the axis, where no marker can cover it (one at the right did)
-    ax.set_yticks([*ticks, BAND], [str(t) for t in ticks] + ["no\nestimate"])
-    ax.get_yticklabels()[-1].set_color("red")
+    ax.set_ylim(-5, BAND + 18)
+    name_band(ax, BAND, range(0, 101, 20))
     ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
     ax.set_ylabel(f"relative error of d_hat_raw (%), true d = {d_true}")
     ax.set_title("Hidden-dimension error versus budget (x, +, Y: no estimate, with the reason)")

@@ -13,6 +13,19 @@ from nv.phase2.fit import fit_gamma, fit_scaling, scaling_relation, transfer_fac
 _LABELS = {"inprocess": "in-process (torch, CPU)", "llamacpp": "llama.cpp server (HTTP, CPU)"}
 
 
+def _colors(records: dict[str, list[dict]]) -> dict[str, str]:
+    """One colour per model in every platform's panel: tab10 for the references in their first order, for the real
+    models (role target) a darker set none of tab10's; by position per panel, a reference changed colour between
+    platforms whose reference lists differ."""
+    roles: dict[str, dict] = {"reference": {}, "target": {}}
+    for recs in records.values():
+        for r in recs:
+            roles["target" if r["role"] == "target" else "reference"].setdefault(r["model"], None)
+    dark = ["k", "0.45", "darkviolet", "darkgreen", "saddlebrown"]
+    return ({m: f"C{i % 10}" for i, m in enumerate(roles["reference"])}
+            | {m: dark[i % len(dark)] for i, m in enumerate(roles["target"])})
+
+
 def _marker(record: dict) -> dict:
     return {"marker": "*", "s": 90, "zorder": 3} if record["role"] == "target" else {"marker": "o", "s": 18}
 
@@ -24,16 +37,16 @@ def scaling(records: dict[str, list[dict]], discard: int):
     and in the validation every model of the set) are stars, each in its own colour: off the line is what their
     family details do to the single scaling law."""
     fig, axes = plt.subplots(1, len(records), figsize=(8.4 * len(records), 4.6), squeeze=False)
+    colors = _colors(records)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         refs = [r for r in recs if r["role"] == "reference"]
         pts = timings(refs, discard, "d")
         fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
-        target_colors = iter(["k", "0.45", "darkviolet", "darkgreen", "saddlebrown"] * 4)  # none of tab10's
-        for i, r in enumerate(recs):
+        for r in recs:
             x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
             order = np.argsort(r["ell"])
             label = f"{r['model']} (d={r['d']}, L={r['L']})" + (" target" if r["role"] == "target" else "")
-            color = next(target_colors) if r["role"] == "target" else f"C{i % 10}"
+            color = colors[r["model"]]
             ax.scatter(x[order[discard:]], np.array(r["T"])[order[discard:]], color=color, label=label, **_marker(r))
             ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
         xs = np.linspace(0, ax.get_xlim()[1], 50)
@@ -51,13 +64,14 @@ def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
     """Fig. scaling_law: measured T versus Eq. 2's prediction with the leave-one-out beta, alpha and
     the true L, d of each model (same-platform calibration)."""
     fig, axes = plt.subplots(1, len(records), figsize=(5.4 * len(records), 4.8), squeeze=False)
+    colors = _colors(records)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         same = table[(table.platform == platform) & (table.d_source == "d_hat")].set_index("model")
         top = 0.0
-        for i, r in enumerate(recs):
+        for r in recs:
             row = same.loc[r["model"]]
             pred = scaling_relation(row["k"] * row["beta"], row["alpha"], r["L"], r["d"], np.array(r["ell"]))
-            ax.scatter(pred, r["T"], color="k" if r["role"] == "target" else f"C{i % 10}", label=r["model"], **_marker(r))
+            ax.scatter(pred, r["T"], color=colors[r["model"]], label=r["model"], **_marker(r))
             top = max(top, float(np.max(pred)), float(np.max(r["T"])))
         ax.plot([0, top], [0, top], ":", color="0.4", lw=1, label="measured = predicted")
         ax.set(xlabel="predicted T = k beta L ell^2 d + alpha (s)", ylabel="measured T (s)", title=_LABELS.get(platform, platform))
@@ -91,13 +105,17 @@ def errors(table: pd.DataFrame):
                    label="gamma_g / (k beta) (Eq. 10)")
             # a missing bar (no fit) and one of exactly 0 % look alike: no fit is a cross under the axis, 0 % a dot on it
             ax.axhspan(-0.14 * top, -0.02 * top, color="crimson", alpha=0.07, zorder=0)
+            zero = False
             for shift, values in ((-0.27, sub[col.format("")]), (0.0, sub[rounded]), (0.27, sub[col.format("_eq10")])):
                 for xi, v in zip(x, values.to_numpy(dtype=float)):
                     if np.isnan(v):
                         ax.plot(xi + shift, -0.08 * top, "x", color="crimson", ms=7, mew=2, zorder=4)
                     elif v == 0:
                         ax.plot(xi + shift, 0, "o", color=color, ms=4, zorder=4)
+                        zero = True
             ax.plot([], [], "x", color="crimson", ms=7, mew=2, label="no fit (no estimate; shaded band)")
+            if zero:
+                ax.plot([], [], "o", color=color, ms=4, label="an error of exactly 0 %")
             ax.axhline(0, color="0.4", lw=0.8)
             ax.set_xlim(-0.6, len(sub) - 0.4)
             ax.set_ylim(-0.14 * top, 1.08 * top)
@@ -127,9 +145,10 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
                      label=f"gamma = {gamma.slope:.3g} s per token^2 x dim (its {len(refs)} references)")
         target = next(r for r in recs if r["role"] == "target")
         axes[1].plot(target["ell"], target["T"], "o-", ms=3, color=f"C{i}", label=_LABELS.get(platform, platform))
-    axes[0].set(xlabel="ell^2 d", ylabel="prefill time T (s)", title="L-unknown fits on each platform (Eqs. 6-7)",
+    axes[0].set(xlabel="ell^2 d (tokens^2 x hidden size)", ylabel="prefill time T (s)",
+                title="L-unknown fits on each platform (Eqs. 6-7)",
                 xscale="log", yscale="log")  # the platforms' lengths differ ~10x: linear axes hid one in a corner
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="lower right")  # the points rise to the upper right
     axes[1].set(xlabel="prompt tokens ell", ylabel="prefill time T (s)", title="the attacked model, end to end")
     axes[1].legend(fontsize=7)
     names = list(records)

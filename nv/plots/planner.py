@@ -12,7 +12,7 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
     the greedy-pruned common set (squares), the true d, the planner's N for |C| >= d and the measured stops: the
     budget sweep's first exact N and the adaptive loop's (``sampling.N: auto``, where it stops inside the draws)."""
     models = list(dict.fromkeys(table.model))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.4 * len(models), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(5.4 * len(models), 7.0), squeeze=False)  # the legend below
     for ax, model in zip(axes[0], models):
         rows, s = table[table.model == model], summary.set_index("model").loc[model]
         N, mu = curves[model]
@@ -31,8 +31,8 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
             ax.axvline(s.adaptive_stop_N, color="C1", ls="-", lw=1.2,
                        label=f"adaptive loop stops at N = {s.adaptive_stop_N:,.0f}{ratio}")
         ax.set(xscale="log", yscale="log", ylim=(0.5, None), xlabel="samples per prompt N",
-               ylabel=f"common-set size over D = {s.D:,.0f} prompts", title=model)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
+               ylabel=f"common set |C| (D = {s.D:,.0f} prompts)", title=model)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)  # under the x label
     fig.suptitle("Budget planner: the common set of the full attack predicted from a pilot (Theorem 1's mean, fitted tail)",
                  y=1.02)
     fig.tight_layout()

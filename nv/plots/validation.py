@@ -15,7 +15,10 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
+from nv.plots.phase1 import name_band
+
 FAIL = {"marker": "X", "color": "red", "ms": 8, "ls": "none", "zorder": 4}
+FAIL_Y = 112  # the no-estimate band's height on a |error| (%) axis: its tick clear of the 100 one
 
 
 def k_markers(trials) -> dict[int, str]:
@@ -33,12 +36,11 @@ def log_axis(ax, xlabel: str) -> None:
 
 
 def fail_band(ax, xs, top: float, label: str | None, color: str | None = None) -> None:
-    """Crosses just above the plotted range (edged in the model's ``color``: which model failed), in a red band
-    labelled inside it, for budgets with no estimate."""
+    """Crosses just above the plotted range (edged in the model's ``color``: which model failed), in a red band, for
+    budgets with no estimate; ``name_band`` names it on the axis once the limits are set."""
     if len(xs):  # the model's colour inside a red outline
         ax.plot(list(xs), [top] * len(xs), label=label, **(FAIL | ({"mfc": color, "mec": "red", "mew": 1.2} if color else {})))
     ax.axhspan(top * 0.96, top * 1.04, color="red", alpha=0.07)
-    ax.annotate("no estimate", (0.99, top), xycoords=("axes fraction", "data"), color="red", fontsize=8, va="center", ha="right")
 
 
 def below(ax) -> None:
@@ -79,6 +81,7 @@ def d_vs_budget(phase1: pd.DataFrame):
         ax.axhline(0, color="0.6", lw=0.8)
         log_axis(ax, "samples per prompt N")
         ax.set_ylim(-105, top + 12)
+        name_band(ax, top, range(-100, 101, 50))
         ax.set_title(f"{method} estimator")
         below(ax)
     axes[0].set_ylabel("relative error of d_hat_raw (%)")
@@ -96,31 +99,34 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
         ax.plot(ok[x], 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
         for K in sorted(ok.trials.unique()):  # the cases of one phase-1 budget differ in K'
             at = ok[ok.trials == K]
-            ax.plot(at[x], 100 * at[f"{what}_err"].abs(), markers[int(K)], color=colors[model], alpha=0.8, ms=5)
+            ax.plot(at[x], 100 * at[f"{what}_err"].abs(), markers[int(K)], color=colors[model], alpha=0.8, ms=5, zorder=4)
         fail_band(ax, r[r[f"{what}_err"].isna()][x], top, None, colors[model])
     ok = cases[cases[f"{what}_err"].notna()].sort_values(x)
     if len(ok):  # the k-th cheapest case of every model, averaged (models differ in their budgets)
         means = ok.assign(rank=ok.groupby("model").cumcount()).groupby("rank").agg(
             x=(x, "mean"), e=(f"{what}_err", lambda e: e.abs().mean()), n=("model", "size"))
         means = means[means.n == ok.model.nunique()]
-        ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, label="mean over models (k-th budget; bar: the mean)")
+        ax.plot(means.x, 100 * means.e, "k_-", lw=2.5, ms=14, mew=2.5, alpha=0.6, zorder=3,  # under the models' markers
+                label="mean over models (k-th budget; bar: the mean)")
     for K, marker in markers.items():
         ax.plot([], [], marker, color="0.3", label=f"K' = {K} timing trials")
+    ax.margins(x=0.08)  # the largest budget off the axis' edge
 
 
-def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
+def err_d_L_N(cases: pd.DataFrame, reference_platform: str, estimator: str):
     """Fig. err_d_L_N_plot: |relative error| of d, L and P versus total budget (tokens), the reference platform
-    against F, every (phase-1 budget, K') case; one faint line per model, bold mean."""
+    against F, every (phase-1 budget, K') case; one faint line per model, bold mean; d from phase 1's ``estimator``."""
     sub = cases[(cases.setup == "F") & (cases.platform == reference_platform)]
     colors = _colors(sub.model)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
     for ax, what in zip(axes, ("d", "L", "P")):
-        _per_model(ax, sub, "tokens", what, colors, 105)
+        _per_model(ax, sub, "tokens", what, colors, FAIL_Y)
         ax.plot([], [], label="no d_hat at this budget", **FAIL)
-        ax.set_ylim(-4, 115)  # a 0 % point whole, not half under the axis
+        ax.set_ylim(-4, FAIL_Y + 8)  # a 0 % point whole, not half under the axis
+        name_band(ax, FAIL_Y, range(0, 101, 20))
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set_ylabel(f"|relative error| of {what}_hat (%)")
-        ax.set_title({"d": "hidden dimension d", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
+        ax.set_title({"d": f"hidden dimension d ({estimator})", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
         below(ax)
     fig.suptitle(f"Errors versus total budget on every model ({reference_platform}, references F)")
     fig.tight_layout()
@@ -128,19 +134,20 @@ def err_d_L_N(cases: pd.DataFrame, reference_platform: str):
 
 
 def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: float):
-    """Fig. L_param_err_budget: |relative error| of L_hat and P_hat versus API calls and versus cost in USD."""
+    """Fig. L_param_err_budget: |relative error| of d_hat, L_hat and P_hat versus API calls and versus cost in USD."""
     sub = cases[(cases.setup == "F") & (cases.platform == reference_platform)]
     colors = _colors(sub.model)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for i, what in enumerate(("L", "P")):
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
+    for i, what in enumerate(("d", "L", "P")):
         for ax, x, label in ((axes[i, 0], "calls", "API calls"), (axes[i, 1], "usd", f"cost (USD at ${price:g} per million tokens)")):
-            _per_model(ax, sub, x, what, colors, 105)
+            _per_model(ax, sub, x, what, colors, FAIL_Y)
             ax.plot([], [], label="no estimate at this budget", **FAIL)
-            ax.set_ylim(-4, 115)
+            ax.set_ylim(-4, FAIL_Y + 8)
+            name_band(ax, FAIL_Y, range(0, 101, 20))
             log_axis(ax, label)
             ax.set_ylabel(f"|relative error| of {what}_hat (%)")
             below(ax)
-    fig.suptitle(f"Depth and parameter-count errors versus query budget ({reference_platform}, references F)")
+    fig.suptitle(f"Hidden-dimension, depth and parameter-count errors versus query budget ({reference_platform}, references F)")
     fig.tight_layout()
     return fig
 
