@@ -503,15 +503,15 @@ class HTTPOracle(Oracle):
                 future.result()
             except (_Stopped, NVError):  # a request that fails after the interrupt: moot, the run stops anyway
                 pass
-            except KeyboardInterrupt:  # again: abandon them, and end the task here rather than leave it pending to the
-                asyncio.run_coroutine_threadsafe(self._abandon(), self._loop).result()  # interpreter's exit (a review)
+            except KeyboardInterrupt:  # again: abandon them; the task, cancelled (perhaps before it started), ends here
+                future.cancel()  # rather than pending to the interpreter's exit, which printed its frame (a review)
+                asyncio.run_coroutine_threadsafe(_settled(), self._loop).result()
             raise
         finally:
             bar.close()
         return records
 
     async def _gather(self, jobs: Iterator[tuple[int, dict]], take, key_extra: dict | None, bar) -> None:
-        self._task = asyncio.current_task()
         if self._client is None:
             self._client = httpx.AsyncClient(headers=self._headers, timeout=self.limits.timeout,
                                              limits=httpx.Limits(max_connections=self.limits.concurrency))
@@ -534,11 +534,6 @@ class HTTPOracle(Oracle):
         self.journal.sync()
         if errors:
             raise errors[0]
-
-    async def _abandon(self) -> None:
-        """Cancel ``_gather``'s task (the replies in flight are dropped) and wait until it has ended."""
-        self._task.cancel()
-        await asyncio.wait({self._task})
 
     def _spend(self) -> str:
         c = self.provider_cost
@@ -740,6 +735,13 @@ class HTTPOracle(Oracle):
             if math.isfinite(wait):
                 delay = max(delay, min(wait, self.limits.backoff_max))
         return delay
+
+
+async def _settled() -> None:
+    """Until every other task on the running loop has ended (an abandoned ``_gather``'s, once cancelled)."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others)
 
 
 def _detail(r: httpx.Response) -> str:
