@@ -111,6 +111,7 @@ def test_d_vs_budget_draws_a_failure_as_a_failure():
     assert ax.get_ylim()[0] < 0 < 115 < ax.get_ylim()[1]
     ticks = dict(zip(ax.get_yticks(), (t.get_text() for t in ax.get_yticklabels())))  # the band named on the axis,
     assert ticks[115] == "no estimate" and not [t for t in ax.texts if t.get_text() == "no estimate"]  # not inside it
+    assert 100 not in ticks and 50 in ticks  # an error tick as close as 100 would touch the band's label
     bounds = sorted((x, y) for line in _lines(ax, "^") for x, y in zip(line.get_xdata(), line.get_ydata()))  # d >= bound: up
     assert bounds == sorted([(10**4, 100 * (300 - 576) / 576), (10**4, 100 * (100 - 896) / 896), (10**5, 100 * (500 - 896) / 896)])
     (mean,) = _lines(ax, "_")

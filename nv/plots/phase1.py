@@ -153,8 +153,10 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
 
 def name_band(ax, y: float, ticks) -> None:
     """Name the "no estimate" band at height ``y`` on the y axis, a red tick beside the error ``ticks``: a label inside
-    the band was covered by its own markers (every figure with the band names it so)."""
-    ticks = list(ticks)
+    the band was covered by its own markers (every figure with the band names it so). Call it once the y limits are
+    set: an error tick within a tenth of the axis of the band is left out, its label would touch the band's."""
+    low, high = ax.get_ylim()
+    ticks = [t for t in ticks if abs(y - t) >= 0.1 * (high - low)]
     ax.set_yticks([*ticks, y], [f"{t:g}" for t in ticks] + ["no estimate"])
     ax.yaxis.get_major_ticks()[len(ticks)].label1.set_color("red")  # also where a shared y axis hides the labels
 
