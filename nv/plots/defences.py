@@ -120,7 +120,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
     legend["in the red band: not saturated (phase 1) / no fit (phase 2), in the variant's colour"] = plt.Line2D(
         [], [], marker="X", color="0.5", mec="red", ms=9, ls="none")
     legend["wrong: saturated, off by more than the tolerance"] = plt.Line2D([], [], **WRONG)
-    fig.suptitle("What each defence does to the attack (x: setting, and its price to the provider: KL of the served "
+    fig.suptitle("What each defence does to the attack (x: setting, and the price its users pay: KL of the served "
                  "distribution, added latency per request, or free for reported values only)", fontsize=12)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 4), fontsize=8, frameon=False)
