@@ -118,11 +118,12 @@ def main() -> int:
                     alone = held_out(llama[:-1], llama[:-1], g, timing, "d_used")
                     rows.append({"references": ref_layout, "model": spec, "layout": layout, "L_true": g["L"],
                                  "across_basic": row.L_hat, "across_eq10": row.L_hat_eq10,
-                                 "alone_basic": alone["L_hat"], "alone_eq10": alone["L_hat_eq10"]})
+                                 "alone_basic": alone.get("L_hat", np.nan), "alone_eq10": alone.get("L_hat_eq10", np.nan)})
                     err = {k: rows[-1][k] / g["L"] - 1 for k in ("across_basic", "across_eq10", "alone_basic", "alone_eq10")}
                     print(f"  refs {ref_layout:7s} {spec:20s} {layout:7s} (L = {g['L']})  across: {row.L_hat:5.1f} "
                           f"({err['across_basic']:+4.0%}) / {row.L_hat_eq10:5.1f} ({err['across_eq10']:+4.0%})  alone: "
-                          f"{alone['L_hat']:5.1f} ({err['alone_basic']:+4.0%}) / {alone['L_hat_eq10']:5.1f} ({err['alone_eq10']:+4.0%})")
+                          f"{rows[-1]['alone_basic']:5.1f} ({err['alone_basic']:+4.0%}) / {rows[-1]['alone_eq10']:5.1f} "
+                          f"({err['alone_eq10']:+4.0%})")
         if args.out:
             write(args.out, layouts, seconds, rows)
         return 0
