@@ -34,17 +34,24 @@ from nv.validation import evaluate_timing, load_timing
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def ftype(kind: str) -> int:
+    """llama.cpp's file type number of ``kind`` (e.g. Q4_1, Q4_K_M)."""
+    import llama_cpp
+
+    number = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
+    if number is None:
+        raise NVError(f"llama.cpp has no ftype {kind!r} (e.g. Q4_1, Q5_0, Q8_0, Q4_K_M)")
+    return number
+
+
 def requantise(source: Path, out: Path, kind: str) -> Path:
     """``source`` rewritten by llama.cpp's quantiser as ftype ``kind`` (e.g. Q4_1), written once."""
     import llama_cpp
 
     if out.is_file():
         return out
-    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
-    if ftype is None:
-        raise NVError(f"llama.cpp has no ftype {kind!r}")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    params.ftype, params.allow_requantize, params.nthread = ftype(kind), True, 2
     tmp = out.with_suffix(".part")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
         raise NVError(f"llama.cpp could not requantise {source} to {kind}")
@@ -61,6 +68,8 @@ def main() -> int:
     args = parser.parse_args()
 
     def work() -> int:
+        for kind in args.types:  # a bad one is an error before any model loads
+            ftype(kind)
         params = load_params(args.run / "params.yaml")
         timing, family, seed, model = params["timing"], params["timing_family"], params["seed"], params["model"]
         cfg = timing["platforms"]["llamacpp"]
