@@ -7,7 +7,8 @@ llama.cpp) as served and requantised by llama.cpp's own quantiser (``allow_requa
 at the lengths of its run's record, with App. D's protocol and the params' settings. It prints each file's summed
 prefill time, then for every pair (references' layout, target's layout) the target's depth across platforms as the
 validation reads it (Eq. 9 and Eq. 10, k from those references, setup F) and on llama.cpp alone (beta, alpha fitted
-on those references there: no k).
+on those references there: no k), and last, per target as served, the range of Eq. 9's depth over the references'
+layouts and whether it holds the truth.
 
 Run: python benchmarks/llamacpp_quant.py [--run ROOT] [--work DIR] [--types Q4_1 Q5_0 Q8_0 Q4_K_M] (not in ``make
 bench``: ~1-3 min a file here, ~25 files; ``--out DIR`` writes llamacpp_quant.json and llamacpp_quant.png, the grid
@@ -133,6 +134,13 @@ def main() -> int:
                           f"({err['across_basic']:+4.0%}) / {row.L_hat_eq10:5.1f} ({err['across_eq10']:+4.0%})  alone: "
                           f"{rows[-1]['alone_basic']:5.1f} ({err['alone_basic']:+4.0%}) / {rows[-1]['alone_eq10']:5.1f} "
                           f"({err['alone_eq10']:+4.0%})")
+        print("\nthe target as served, over the references' layouts (across platforms, Eq. 9): the range an attacker who "
+              "times references in every layout would read")
+        for spec in targets:
+            read = [r["across_basic"] for r in rows if r["model"] == spec and r["layout"] == "served"]
+            L = next(r["L_true"] for r in rows if r["model"] == spec)
+            low, high = np.nanmin(read), np.nanmax(read)
+            print(f"  {spec:20s} L_hat {low:5.1f} to {high:5.1f} for the true {L}: {'inside' if low <= L <= high else 'OUTSIDE'}")
         if args.out:
             write(args.out, layouts, seconds, rows)
         return 0
