@@ -6,8 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from nv.plots.phase1 import name_band
-from nv.plots.validation import FAIL_Y, fail_band, k_markers, log_axis
+from nv.plots.validation import FAIL_Y, error_axis, fail_band, k_markers, log_axis
 
 
 def _percents(errors) -> str:
@@ -41,8 +40,7 @@ def error_vs_budget(table: pd.DataFrame, model: str):
             ax.text(0.02, 0.86, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=7,
                     bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
         ax.axhline(30, ls=":", color="0.5", lw=1)
-        ax.set_ylim(-4, FAIL_Y + 8)
-        name_band(ax, FAIL_Y, range(0, 101, 20))
+        error_axis(ax)
         ax.margins(x=0.08)  # the largest budget off the axis' edge
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set(ylabel="relative error (%)", title=f"{model} on {platform}")

@@ -35,6 +35,13 @@ def log_axis(ax, xlabel: str) -> None:
     ax.set_xlabel(xlabel)
 
 
+def error_axis(ax) -> None:
+    """A |relative error| (%) axis up to the no-estimate band at ``FAIL_Y``, the band named on it (``name_band``); a
+    0 % point whole, not half under the axis."""
+    ax.set_ylim(-4, FAIL_Y + 8)
+    name_band(ax, FAIL_Y, range(0, 101, 20))
+
+
 def fail_band(ax, xs, top: float, label: str | None, color: str | None = None) -> None:
     """Crosses just above the plotted range (edged in the model's ``color``: which model failed), in a red band, for
     budgets with no estimate; ``name_band`` names it on the axis once the limits are set."""
@@ -122,8 +129,7 @@ def err_d_L_N(cases: pd.DataFrame, reference_platform: str, estimator: str):
     for ax, what in zip(axes, ("d", "L", "P")):
         _per_model(ax, sub, "tokens", what, colors, FAIL_Y)
         ax.plot([], [], label="no d_hat at this budget", **FAIL)
-        ax.set_ylim(-4, FAIL_Y + 8)  # a 0 % point whole, not half under the axis
-        name_band(ax, FAIL_Y, range(0, 101, 20))
+        error_axis(ax)
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
         ax.set_ylabel(f"|relative error| of {what}_hat (%)")
         ax.set_title({"d": f"hidden dimension d ({estimator})", "L": "depth L (rule)", "P": "parameters P (attacker-side)"}[what])
@@ -142,8 +148,7 @@ def L_param_err_budget(cases: pd.DataFrame, reference_platform: str, price: floa
         for ax, x, label in ((axes[i, 0], "calls", "API calls"), (axes[i, 1], "usd", f"cost (USD at ${price:g} per million tokens)")):
             _per_model(ax, sub, x, what, colors, FAIL_Y)
             ax.plot([], [], label="no estimate at this budget", **FAIL)
-            ax.set_ylim(-4, FAIL_Y + 8)
-            name_band(ax, FAIL_Y, range(0, 101, 20))
+            error_axis(ax)
             log_axis(ax, label)
             ax.set_ylabel(f"|relative error| of {what}_hat (%)")
             below(ax)
