@@ -9,9 +9,12 @@ Every NVError becomes one line on stderr and exit status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from nv.errors import NVError, run_main
@@ -33,6 +36,36 @@ def _writable(folder: Path) -> Path:
     except OSError as exc:
         raise NVError(f"output folder {folder} is not writable: {exc.strerror}") from None
     return folder
+
+
+@contextmanager
+def _claimed(folder: Path):
+    """An exclusive lock on the output folder while the attack runs: a second attack on the same ``--out`` would write
+    the same checkpoints and lose one run's shards mid-write (the live path's journal has its own lock besides)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise NVError(f"output folder {folder} is in use by another nv attack: wait for it, or give another --out") from None
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _load(load, spec: str):
+    """``load()``, the model ``spec`` names, with what a file or folder that is not a usable model raises (a config its
+    weights or attention heads contradict, damaged safetensors: transformers', huggingface_hub's and safetensors' own
+    exception types, not NVError) said in one line."""
+    try:
+        return load()
+    except NVError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- third-party loaders raise their own types for a bad file
+        while exc.__cause__ is not None:  # the reason a validator wraps ("the hidden size ... is not a multiple ...")
+            exc = exc.__cause__
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        raise NVError(f"cannot load model {spec!r}: {type(exc).__name__}: {first}") from None
 
 
 def defence_overrides(section: dict, pairs: list[str]) -> dict:
@@ -76,6 +109,10 @@ def summary(record: dict) -> dict:
 
 
 def attack(args: argparse.Namespace) -> int:
+    if args.quiet and "tqdm" not in sys.modules:  # every bar, transformers' GGUF dequantisation's too (read on import)
+        os.environ["TQDM_DISABLE"] = "1"
+    if args.base_url is not None:
+        args.base_url = args.base_url.strip()  # a pasted URL's trailing space made every path ".../v1 /models"
     if (args.simulate is None) == (args.base_url is None):
         raise NVError("give exactly one target: --simulate MODEL or --base-url URL --model NAME")
     if args.simulate is not None:
@@ -87,34 +124,40 @@ def attack(args: argparse.Namespace) -> int:
         if args.defence:
             raise NVError("--defence applies to --simulate only (a live endpoint's defences are its provider's)")
         return attack_live(args)
+    spec = args.simulate
+    a_path = spec.startswith(("/", "./", "../", "~")) and not spec.endswith(".gguf")  # a .gguf has its own message
+    if not spec.strip() or a_path and not Path(spec).expanduser().exists():
+        raise NVError(f"--simulate {args.simulate!r}: no such file or folder (give a packaged name, a HF id, a folder or "
+                      "a .gguf file)")  # not the hub's "Repo id must be in the form ..." for a path typed wrong
     params = load_params(params_file(args), PHASE1_SECTIONS + ["defence"])
     overrides = defence_overrides(params["defence"], args.defence)
     out = _writable(Path(args.out))
-    # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
-    from nv.oracle import Simulator
-    from nv.oracle.defence import TIMING_KNOBS, Defence, DefendedOracle
-    from nv.phase1.pipeline import run
+    with _claimed(out):
+        # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
+        from nv.oracle import Simulator
+        from nv.oracle.defence import TIMING_KNOBS, Defence, DefendedOracle
+        from nv.phase1.pipeline import run
 
-    if args.quiet:  # transformers' own bars (loading the weights) too
-        from transformers.utils import logging as transformers_logging
+        if args.quiet:  # transformers' own bars (loading the weights) too
+            from transformers.utils import logging as transformers_logging
 
-        transformers_logging.disable_progress_bar()
+            transformers_logging.disable_progress_bar()
 
-    defence = Defence(**overrides)
-    timed = [k for k in TIMING_KNOBS if getattr(defence, k) is not None]
-    if timed:
-        raise NVError(f"defence {timed[0]}: a timing defence, and a simulated attack times nothing (phase 1 only): the "
-                      "defences stage sweeps it on timing records, `nv defend` serves it")
-    model = {**params["model"], "spec": args.simulate}
-    simulator = Simulator.from_params(model)
-    oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
-    # a defended run's draws differ: the defence joins the checkpoint identity (pipeline.run keys it by params["model"])
-    params["model"] = {**model, "defence": defence.as_dict()} if defence.active else model
-    record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
-    record["defence"] = defence.as_dict()
-    write_json(out / "report.json", record)
-    print(json.dumps(summary(record)))
-    return 0
+        defence = Defence(**overrides)
+        timed = [k for k in TIMING_KNOBS if getattr(defence, k) is not None]
+        if timed:
+            raise NVError(f"defence {timed[0]}: a timing defence, and a simulated attack times nothing (phase 1 only): the "
+                          "defences stage sweeps it on timing records, `nv defend` serves it")
+        model = {**params["model"], "spec": args.simulate}
+        simulator = _load(lambda: Simulator.from_params(model), args.simulate)
+        oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
+        # a defended run's draws differ: the defence joins the checkpoint identity (pipeline.run keys it by params["model"])
+        params["model"] = {**model, "defence": defence.as_dict()} if defence.active else model
+        record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
+        record["defence"] = defence.as_dict()
+        write_json(out / "report.json", record)
+        print(json.dumps(summary(record)))
+        return 0
 
 
 def attack_live(args: argparse.Namespace) -> int:
@@ -159,7 +202,8 @@ def attack_live(args: argparse.Namespace) -> int:
         print(json.dumps(plan))
         return 0
     out = _writable(Path(args.out))
-    record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
+    with _claimed(out):
+        record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
     print(json.dumps(summary(record)))
     return 0
 

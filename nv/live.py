@@ -172,9 +172,11 @@ def pilot_source(model: object, live: dict, target: tuple[str, str] | None) -> d
 
 def paid_so_far(journal: Path, base_url: str, model: str, params: dict, budget: Budget) -> dict | None:
     """What the journal a run would resume from has paid already (None: no journal yet); a journal of another attack
-    is refused here, as the run would refuse it."""
-    if not journal.is_file():
+    is refused here, as the run would refuse it, and so is a path that is not a regular file."""
+    if not journal.exists():
         return None
+    if not journal.is_file():  # the run's own words (``nv.oracle.journal.Journal``): a folder, /dev/null, a FIFO
+        raise NVError(f"journal {journal} is not a regular file: give a file's path (--journal)")
     j = Journal(journal, binding(split_credentials(base_url)[0], model, params), UNBOUND, readonly=True)
     j.close()
     tokens = j.prompt_tokens + j.output_tokens

@@ -173,6 +173,8 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
          "must start with http:// or https://"),
         (["--simulate", str(tmp_path), "--params", str(params)], "has no config.json"),
         (["--simulate", str(folder_gguf), "--params", str(params)], "is a folder, not a GGUF file"),
+        (["--simulate", str(tmp_path / "no-such-model"), "--params", str(params)], "no such file or folder"),
+        (["--simulate", "", "--params", str(params)], "no such file or folder"),
         # options of a live endpoint given to a simulated attack, or phase 2's without its calibration: refused before
         # anything is loaded (a --dry-run of a simulation used to start the whole attack)
         (["--simulate", "embedded", "--dry-run", "--budget-tokens", "1000", "--params", str(params)],
@@ -209,6 +211,48 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", flag, "0"],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and proc.stderr.strip().endswith(f"{flag}: must be a whole number >= 1, got 0"), proc.stderr
+
+
+def test_a_busy_output_folder_a_bad_model_folder_and_a_dry_run_s_odd_journal_are_one_line(root, tmp_path, lm32):
+    """A review (2026-12-07): a second `--simulate` on a busy --out crashed mid-write, a model folder whose config
+    contradicts itself or whose safetensors are damaged gave transformers' or safetensors' traceback, and a dry run
+    planned over a journal path the run refuses (a folder). Each is one line and exit 2 now, before anything runs."""
+    import fcntl
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = write_tiny_params(root, tmp_path)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    fd = os.open(busy, os.O_RDONLY)  # another attack's lock on the folder
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    model = tmp_path / "tiny-llama"  # a real model folder, then damaged two ways
+    config = LlamaConfig(vocab_size=lm32.arch.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(model)
+    lm32.tokenizer.save_pretrained(model)
+    heads, weights = tmp_path / "heads", tmp_path / "weights"
+    shutil.copytree(model, heads)
+    shutil.copytree(model, weights)
+    spec = json.loads((heads / "config.json").read_text())
+    (heads / "config.json").write_text(json.dumps(spec | {"num_attention_heads": 7}))  # 64 is no multiple of 7
+    (weights / "model.safetensors").write_bytes(os.urandom(4096))
+    try:
+        for args, message in (
+                (["--simulate", "embedded", "--out", str(busy)], f"output folder {busy} is in use by another nv attack"),
+                (["--simulate", str(heads)], f"cannot load model '{heads}': "),
+                (["--simulate", str(weights)], f"cannot load model '{weights}': "),
+                (["--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--dry-run", "--journal", str(tmp_path)],
+                 f"journal {tmp_path} is not a regular file")):
+            proc = subprocess.run(NV + ["attack", *args, "--params", str(params), "--quiet"], capture_output=True, text=True,
+                                  timeout=300, cwd=tmp_path)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            (line,) = proc.stderr.strip().splitlines()
+            assert line.startswith("error: ") and message in line, line
+    finally:
+        os.close(fd)
+    assert not (heads / "report.json").exists() and not list(busy.iterdir())  # nothing written
 
 
 def test_a_path_of_the_wrong_kind_is_one_line(tmp_path, capsys):

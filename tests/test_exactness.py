@@ -140,7 +140,12 @@ def test_cheapest_exact_is_the_cheapest_exact_cell(toy, tmp_path):
             assert [to_hex(c) for c in dots.get_facecolors()] == [to_hex(OUTCOME_COLORS[o]) for o in rows.outcome]
         texts = [t.get_text() for t in ax.texts]
         said = cells[cells.method != "paper"]  # the robust and missing-data estimators' lower bounds
-        assert sum(t.startswith(">=") for t in texts) == said.d_hat_raw.isna().sum()
+        assert sum(t.count("≥") for t in texts) == said.d_hat_raw.isna().sum()
+        lines = sorted("/".join(f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else f"≥{r.lower_bound:.0f}"
+                                  if pd.notna(r.lower_bound) else "-" for r in [cell[cell.method == m].iloc[0] for m in
+                                                                                 ("robust", "paper", "incomplete")])
+                       for _, cell in cells.groupby(["N", "D"]))
+        assert sorted(t for t in texts if t.count("/") == 2) == lines  # one line a cell: left to right, as its markers
     # the corner lists each estimator's cheapest exact cell with its cost and raw answer (the paper estimator's also as
     # Alg. 2 snaps it), and none in the hopeless panel; the paper's own budget is the star's label
     corner = [t.get_text() for t in drawn[f"toy, tau = {S.temperature:g}, true d = {oracle.rank}"].texts

@@ -89,8 +89,11 @@ def test_coverage_counts_only_informative_intervals():
 def test_d_vs_budget_draws_a_failure_as_a_failure():
     """Fig. validation on two models: saturated budgets at their signed errors, unsaturated ones as red crosses in
     the band above the axes (never on the 0 % line, where a reader takes them for exact), the robust lower bounds
-    as triangles at their own errors, the bold mean over the models saturated at each N."""
-    from nv.plots.validation import d_vs_budget
+    as triangles at their own errors, the bold signed mean over the models saturated at each N; the two models side by
+    side at a shared N (``dodge``: the one's cross no longer hides the other's)."""
+    from nv.plots.validation import d_vs_budget, dodge
+
+    small, wide = (lambda *xs, i=i: tuple(dodge(xs, i, 2)) for i in (0, 1))
 
     rows = []
     for model, d, said in (("small", 576, {10**4: (None, 300), 10**5: (570, None), 3 * 10**5: (576, None)}),
@@ -104,55 +107,66 @@ def test_d_vs_budget_draws_a_failure_as_a_failure():
     ax = fig.axes[0]
     assert ax.get_title() == "robust estimator"
     points = {tuple(line.get_xdata()): list(line.get_ydata()) for line in _lines(ax, "o")}
-    assert points == {(10**5, 3 * 10**5): [100 * (570 - 576) / 576, 0.0], (3 * 10**5,): [100 * (895 - 896) / 896]}
+    assert points == {small(10**5, 3 * 10**5): [100 * (570 - 576) / 576, 0.0], wide(3 * 10**5): [100 * (895 - 896) / 896]}
     crosses = _lines(ax, "X")
-    assert sorted(x for line in crosses for x in line.get_xdata()) == [10**4, 10**4, 10**5]
+    assert sorted(x for line in crosses for x in line.get_xdata()) == sorted(small(10**4) + wide(10**4, 10**5))
+    assert small(10**4) != wide(10**4)
     assert all(y == 115 for line in crosses for y in line.get_ydata())  # in the band above the plotted errors
     assert ax.get_ylim()[0] < 0 < 115 < ax.get_ylim()[1]
     ticks = dict(zip(ax.get_yticks(), (t.get_text() for t in ax.get_yticklabels())))  # the band named on the axis,
     assert ticks[115] == "no estimate" and not [t for t in ax.texts if t.get_text() == "no estimate"]  # not inside it
     assert 100 not in ticks and 50 in ticks  # an error tick as close as 100 would touch the band's label
     bounds = sorted((x, y) for line in _lines(ax, "^") for x, y in zip(line.get_xdata(), line.get_ydata()))  # d >= bound: up
-    assert bounds == sorted([(10**4, 100 * (300 - 576) / 576), (10**4, 100 * (100 - 896) / 896), (10**5, 100 * (500 - 896) / 896)])
+    assert bounds == sorted([(*small(10**4), 100 * (300 - 576) / 576), (*wide(10**4), 100 * (100 - 896) / 896),
+                             (*wide(10**5), 100 * (500 - 896) / 896)])
     (mean,) = _lines(ax, "_")
     assert list(mean.get_xdata()) == [10**5, 3 * 10**5]
-    assert np.allclose(mean.get_ydata(), [100 * 6 / 576, 100 * (0 + 1 / 896) / 2])
+    assert np.allclose(mean.get_ydata(), [-100 * 6 / 576, -100 * (0 + 1 / 896) / 2])  # signed, as the axis
     assert not _lines(fig.axes[1], "^")  # the paper estimator gives no lower bound
     _legible(fig)
 
 
 def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero():
     """Fig. err_d_L_N and Fig. L_param_err_budget: |error| per model at its budgets, a case without an estimate as a
-    red cross at FAIL_Y (112 %, the band), the bold mean over the models at their k-th budget; only setup F on the
-    reference platform."""
-    from nv.plots.validation import FAIL_Y, L_param_err_budget, err_d_L_N
+    red cross at FAIL_Y (112 %, the band), the bold mean over the models at their k-th budget (each at its largest K');
+    only setup F on the reference platform; the models side by side where their budgets coincide."""
+    from nv.plots.validation import FAIL_Y, L_param_err_budget, dodge, err_d_L_N
+
+    small, wide = (lambda *xs, i=i: tuple(dodge(xs, i, 2)) for i in (0, 1))
 
     rows = []
     for model, errs in (("small", [(None, None, None), (0.0, 0.1, -0.2), (0.0, -0.05, 0.1)]),
                         ("wide", [(None, None, None), (None, None, None), (-0.001, 0.3, 0.2)])):
         for k, (d_err, L_err, P_err) in enumerate(errs):
             for setup, platform in (("F", "inprocess"), ("all", "inprocess"), ("F", "llamacpp")):
-                rows.append({"model": model, "setup": setup, "platform": platform, "tokens": 10.0 ** (9 + k), "calls": 10.0 ** (7 + k),
-                             "usd": 10.0 ** k, "trials": 5, "d_err": d_err, "L_err": L_err, "P_err": P_err})
+                for trials in (2, 5):  # K' = 2 a third worse: the mean takes each model's largest K'
+                    scale = 1.5 if trials == 2 else 1.0
+                    rows.append({"model": model, "setup": setup, "platform": platform, "N": 10**4 * 10**k,
+                                 "tokens": 10.0 ** (9 + k) + trials, "calls": 10.0 ** (7 + k) + trials, "usd": 10.0 ** k,
+                                 "trials": trials, "d_err": d_err, "L_err": None if L_err is None else scale * L_err,
+                                 "P_err": None if P_err is None else scale * P_err})
     cases = pd.DataFrame(rows).astype({"d_err": float, "L_err": float, "P_err": float})
     fig = err_d_L_N(cases, "inprocess", "robust")
     assert fig.axes[0].get_title() == "hidden dimension d (robust)"
     for ax, what in zip(fig.axes, "dLP"):
-        points = {tuple(line.get_xdata()): list(line.get_ydata()) for line in _lines(ax, "o")}
-        small = cases[(cases.model == "small") & (cases.setup == "F") & (cases.platform == "inprocess")]
-        assert np.allclose(points[(1e10, 1e11)], 100 * small[f"{what}_err"].abs().iloc[1:])
-        assert np.allclose(points[(1e11,)], 100 * abs(cases[(cases.model == "wide")][f"{what}_err"].iloc[-1]))
+        points = {tuple(line.get_xdata()): list(line.get_ydata()) for line in _lines(ax, "s")}  # K' = 5's marker
+        mine = cases[(cases.setup == "F") & (cases.platform == "inprocess") & (cases.trials == 5)]
+        assert np.allclose(points[small(1e10 + 5, 1e11 + 5)], 100 * mine[mine.model == "small"][f"{what}_err"].abs().iloc[1:])
+        assert np.allclose(points[wide(1e11 + 5)], 100 * abs(mine[mine.model == "wide"][f"{what}_err"].iloc[-1]))
         crosses = sorted((x, y) for line in _lines(ax, "X") for x, y in zip(line.get_xdata(), line.get_ydata()))
-        assert crosses == [(1e9, FAIL_Y), (1e9, FAIL_Y), (1e10, FAIL_Y)]
+        assert crosses == sorted((x, FAIL_Y) for x in small(1e9 + 2, 1e9 + 5) + wide(1e9 + 2, 1e9 + 5, 1e10 + 2, 1e10 + 5))
         ticks = dict(zip(ax.get_yticks(), (t.get_text() for t in ax.get_yticklabels())))
         assert ticks[FAIL_Y] == "no estimate" and all(float(v) <= 100 for k, v in ticks.items() if k != FAIL_Y)
-        (mean,) = _lines(ax, "_")  # both models' first estimate (1e10 and 1e11): their mean budget and error
-        assert np.allclose(mean.get_xdata(), [(1e10 + 1e11) / 2])
+        (mean,) = _lines(ax, "_")  # both models' first estimate (1e10 and 1e11) at K' = 5: their mean budget and error
+        assert np.allclose(mean.get_xdata(), [(1e10 + 1e11) / 2 + 5])
+        assert np.allclose(mean.get_ydata(), 100 * mine[mine[f"{what}_err"].notna()].groupby("model")[f"{what}_err"].first().abs().mean())
     _legible(fig)
-    fig = L_param_err_budget(cases, "inprocess", 0.6)
+    fig = L_param_err_budget(cases, "inprocess", 0.6, "robust")
     assert [ax.get_xlabel() for ax in fig.axes] == ["API calls", "cost (USD at $0.6 per million tokens)"] * 3
-    assert [ax.get_ylabel() for ax in fig.axes[::2]] == [f"|relative error| of {w}_hat (%)" for w in "dLP"]  # d too, as the paper's
-    assert sorted(x for line in _lines(fig.axes[0], "X") for x in line.get_xdata()) == [1e7, 1e7, 1e8]
+    assert [ax.get_ylabel() for ax in fig.axes[::2]] == ["|relative error| of d_hat (robust) (%)"] + [
+        f"|relative error| of {w}_hat (%)" for w in "LP"]  # d too, as the paper's
+    assert sorted(x for line in _lines(fig.axes[0], "X") for x in line.get_xdata()) == sorted(
+        small(1e7 + 2, 1e7 + 5) + wide(1e7 + 2, 1e7 + 5, 1e8 + 2, 1e8 + 5))
     _legible(fig)
 
 

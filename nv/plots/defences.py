@@ -16,6 +16,9 @@ WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls":
 OFFSET = (-0.18, 0.0, 0.18)  # x offsets of the variants' crosses in the band, so that none hides another
 VARIANTS = {"no_counter": ("without counter-measure", "C3", "s"), "attack": ("with counter-measure", "C0", "o"),
             "attack_10x": ("with counter-measure, 10x budget", "C2", "^")}
+# each variant's line drawn over the last one's, thinner and with a smaller marker: equal outcomes stay visible
+STYLE = {"no_counter": {"ls": "-", "lw": 3.2, "ms": 9}, "attack": {"ls": "--", "lw": 2.2, "ms": 7},
+         "attack_10x": {"ls": ":", "lw": 1.4, "ms": 4.5}}
 
 
 def _price_label(setting, cost: str) -> str:
@@ -35,7 +38,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
     tolerance) ringed in red; "not saturated" drawn as a cross in the red band above the axes, in the variant's
     colour, with its lower bound beside it; the exactness tolerance shaded. Phase 2: |L_hat - L| / L with the
     tolerance line; no fit is a cross in the band, in the variant's colour. Tick labels carry the provider's price of
-    each setting."""
+    each setting. The variants' lines narrow in drawing order (``STYLE``), so one that equals another shows beside it."""
     knobs = [k for k in dict.fromkeys(table.knob) if k != "none"]
     cols = 4
     rows = math.ceil(len(knobs) / cols)
@@ -70,7 +73,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                         fails.append((i, r[f"{estimator}_lower_bound"]))
                     else:
                         ys.append(abs(raw - d_true))
-                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, ls="-", label=label, alpha=0.85)
+                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, label=label, alpha=0.85, **STYLE[variant])
                 for i, y in enumerate(ys):
                     if y > tol:  # saturated and off: a wrong answer, not a point near the exact band
                         ax.plot(i, min(y, top), **WRONG)
@@ -94,7 +97,7 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
                 b = p2[(p2.knob == "none") & (p2.variant == variant)].iloc[0]
                 errs = [b.L_err] + list(v.L_err)
                 ys = [100 * abs(e) if np.isfinite(e) else np.nan for e in errs]
-                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, label=label, alpha=0.85)
+                ax.plot(x, np.minimum(ys, top), marker=marker, color=color, label=label, alpha=0.85, **STYLE[variant])
                 for i, y in enumerate(ys):
                     if not np.isfinite(y):  # which variant found no fit: its colour, beside the others'
                         ax.plot(i + OFFSET[j], top * 1.1, marker="X", color=color, mec="red", ms=9, ls="none")

@@ -16,10 +16,19 @@ MARKERS = {method: (shift, ESTIMATOR_MARKERS[method])  # x shift of each estimat
            for method, shift in (("robust", 0.8), ("paper", 1.0), ("incomplete", 1.25))}
 
 
+def _said(rows: pd.DataFrame) -> str:
+    """What an estimator said in one cell: its d_hat_raw, "≥" its lower bound, or "-" (no estimate, or not run)."""
+    if rows.empty:
+        return "-"
+    r = rows.iloc[0]
+    return f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else f"≥{r.lower_bound:.0f}" if pd.notna(r.lower_bound) else "-"
+
+
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None,
          paper_g: int | None = None):
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust), a circle (paper
-    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome (exact: d within
+    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome, what each said
+    written under the cell in that order (exact: d within
     ``d_interval``'s max(3, 0.5 % of d_hat_raw) of d_hat_raw), dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed and listed in the panel's corner with its raw answer (and, given ``paper_g``, the paper estimator's as
     Alg. 2 reports it, snapped to g ceil(d_hat / g)); ``paper_budget`` = (D, N) of the paper's own sampling, a star
@@ -36,22 +45,21 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
     for ax, ((model, tau), g) in zip(axes.flat, panels):
         cheapest = []
         per_call = float(np.median(g.tokens / (g.D * g.N)))  # prompt + output tokens per call
-        for k, (method, (x, marker)) in enumerate(shift.items()):
+        for method, (x, marker) in shift.items():
             rows = g[g.method == method]
             ax.scatter(rows.N * x, rows.D, c=[OUTCOME_COLORS[o] for o in rows.outcome], marker=marker, s=70,
                        edgecolors="k", linewidths=0.5, zorder=3)
-            for r in rows.itertuples():  # what the estimator said: its d_hat_raw, or the robust lower bound
-                said = f"{r.d_hat_raw:.0f}" if pd.notna(r.d_hat_raw) else (
-                    f">={r.lower_bound:.0f}" if pd.notna(r.lower_bound) else "")
-                ax.annotate(said, (r.N * x, r.D), textcoords="offset points", xytext=(0, -10 - 7 * k), ha="center",
-                            va="top", fontsize=6, color="0.2")  # one line per estimator (left, middle, right), not
-                # overprinted, and below the ring of a cheapest cell (radius ~9 points)
             b = best.loc[(model, tau, method)]
             if np.isfinite(b.tokens):
                 ax.scatter(b.N * x, b.D, s=300, facecolors="none", edgecolors="k", linewidths=1.4, zorder=4)
                 raw = rows[(rows.D == b.D) & (rows.N == b.N)].d_hat_raw.iloc[0]
                 snapped = f" (Alg. 2 reports {snap(int(raw), paper_g)})" if method == "paper" and paper_g else ""
                 cheapest.append(f"{method}: {b.tokens:.2g} tokens at {b.D:,.0f} x {b.N:.3g}, raw {raw:.0f}{snapped}")
+        for (N, D), cell in g.groupby(["N", "D"]):  # what each estimator said, left to right: d_hat_raw or d >= bound
+            said = [_said(cell[cell.method == method]) for method in shift]
+            ax.annotate("/".join(said), (N, D), textcoords="offset points", xytext=(0, -10), ha="center", va="top",
+                        fontsize=6, color="0.2", zorder=4,  # one line under the cell, below a cheapest cell's ring
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.8})  # over the cost lines
         ax.text(0.02, 0.98, "cheapest exact (ringed):\n" + ("\n".join(cheapest) or "none on this grid"),
                 transform=ax.transAxes, ha="left", va="top", fontsize=6.5, zorder=5,
                 bbox={"facecolor": "white", "edgecolor": "0.7", "pad": 2})
@@ -83,19 +91,25 @@ def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFr
                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
         ax.set(xscale="log", yscale="log", xlim=(N_lo, N_hi), ylim=(D_lo, D_hi), xlabel="samples per prompt N",
                ylabel="prompts D", title=f"{model}, tau = {tau:g}, true d = {int(g.d_true.iloc[0])}")
+        Ns, Ds = sorted({*g.N, *([N_p] if paper_budget else [])}), sorted({*g.D, *([D_p] if paper_budget else [])})
+        ax.set_xticks(Ns, [f"{v:.0e}".replace("e+0", "e") for v in Ns])  # the grid's own N and D: its cells readable
+        ax.set_yticks(Ds, [f"{v:,.0f}" for v in Ds])
+        ax.minorticks_off()
     handles = [plt.Line2D([], [], ls="", marker="s", mfc=c, mec="k",
                           label="exact: |d_hat_raw - d| <= max(3, 0.5 % d_hat_raw)" if o == "exact" else o)
                for o, c in OUTCOME_COLORS.items()]
     handles += [plt.Line2D([], [], ls="", marker=marker, mfc="w", mec="k", label=f"{method} ({where})")
                 for (method, (_, marker)), where in zip(shift.items(), ("left", "middle", "right") if len(shift) == 3
                                                         else ("left", "right"))]
-    handles += [plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
+    handles += [plt.Line2D([], [], ls="", marker="$576$", ms=14, color="0.2",
+                           label="under a cell: what each said (≥: lower bound)"),
+                plt.Line2D([], [], ls="", marker="o", ms=12, mfc="none", mec="k", label="cheapest exact"),
                 plt.Line2D([], [], ls="--", color="0.75", label="equal token cost")]
     if adaptive is not None and len(adaptive):
         handles.append(plt.Line2D([], [], ls="", marker="v", mfc="tab:blue", mec="k", label="adaptive stop (over its cell)"))
-    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // 2), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // 3), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle("Where phase 1 becomes exact: outcome of each estimator per (D, N), the first D prompts, N calls thinned")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.055, 1, 1))
     return fig
 
 

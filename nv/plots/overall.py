@@ -43,7 +43,7 @@ def error_vs_budget(table: pd.DataFrame, model: str):
         error_axis(ax)
         ax.margins(x=0.08)  # the largest budget off the axis' edge
         log_axis(ax, "total budget (tokens: phase 1 + timing)")
-        ax.set(ylabel="relative error (%)", title=f"{model} on {platform}")
+        ax.set(ylabel="|relative error| (%)", title=f"{model} on {platform}")
         ax.legend(fontsize=7)
     fig.suptitle("Overall: d from the common-set spectrum, then L and P from timing (dotted: 30 %)")
     fig.tight_layout()

@@ -30,12 +30,15 @@ def _marker(record: dict) -> dict:
     return {"marker": "*", "s": 90, "zorder": 3} if record["role"] == "target" else {"marker": "o", "s": 18}
 
 
-def scaling(records: dict[str, list[dict]], discard: int):
+SCALING_TITLE = "Timing scaling relation T ~ beta L ell^2 d + alpha (hollow: short lengths discarded, App. D)"
+
+
+def scaling(records: dict[str, list[dict]], discard: int, title: str = SCALING_TITLE):
     """Paper's scaling figure (Fig. scaling_block_b): prefill time T versus L ell^2 d, one panel per
-    platform; filled points are the fitted attention regime, hollow ones the discarded short lengths;
-    the line is Eq. 2 fitted on the reference models (true d and L). Real models (role target: the attacked model,
-    and in the validation every model of the set) are stars, each in its own colour: off the line is what their
-    family details do to the single scaling law."""
+    platform, log-log (the models span two decades: linear axes piled the small ones at the origin); filled points are
+    the fitted attention regime, hollow ones the discarded short lengths; the line is Eq. 2 fitted on the reference
+    models (true d and L). Real models (role target: the attacked model, and in the validation every model of the set)
+    are stars, each in its own colour: off the line is what their family details do to the single scaling law."""
     fig, axes = plt.subplots(1, len(records), figsize=(8.4 * len(records), 4.6), squeeze=False)
     colors = _colors(records)
     for ax, (platform, recs) in zip(axes[0], records.items()):
@@ -49,32 +52,36 @@ def scaling(records: dict[str, list[dict]], discard: int):
             color = colors[r["model"]]
             ax.scatter(x[order[discard:]], np.array(r["T"])[order[discard:]], color=color, label=label, **_marker(r))
             ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
-        xs = np.linspace(0, ax.get_xlim()[1], 50)
-        ax.plot(xs, fit.slope * xs + fit.intercept, "k--", lw=1,
+        xs = np.geomspace(min(r["L"] * min(r["ell"]) ** 2 * r["d"] for r in recs),
+                          max(r["L"] * max(r["ell"]) ** 2 * r["d"] for r in recs), 50)
+        line = fit.slope * xs + fit.intercept
+        ax.plot(xs[line > 0], line[line > 0], "k--", lw=1,
                 label=f"Eq. 2 fit: beta={fit.slope:.3g} s per layer x token^2 x dim, alpha={fit.intercept:.3g} s")
         ax.set(xlabel="L ell^2 d (layers x tokens^2 x hidden size)", ylabel="prefill time T (s, minus ell=1 baseline)",
-               title=_LABELS.get(platform, platform))
+               title=_LABELS.get(platform, platform), xscale="log", yscale="log")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: the points stay visible
-    fig.suptitle("Timing scaling relation T ~ beta L ell^2 d + alpha (hollow: short lengths discarded, App. D)")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
 def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
     """Fig. scaling_law: measured T versus Eq. 2's prediction with the leave-one-out beta, alpha and
-    the true L, d of each model (same-platform calibration)."""
+    the true L, d of each model (same-platform calibration), log-log (two decades of T)."""
     fig, axes = plt.subplots(1, len(records), figsize=(5.4 * len(records), 4.8), squeeze=False)
     colors = _colors(records)
     for ax, (platform, recs) in zip(axes[0], records.items()):
         same = table[(table.platform == platform) & (table.d_source == "d_hat")].set_index("model")
-        top = 0.0
+        span = []
         for r in recs:
             row = same.loc[r["model"]]
             pred = scaling_relation(row["k"] * row["beta"], row["alpha"], r["L"], r["d"], np.array(r["ell"]))
             ax.scatter(pred, r["T"], color=colors[r["model"]], label=r["model"], **_marker(r))
-            top = max(top, float(np.max(pred)), float(np.max(r["T"])))
-        ax.plot([0, top], [0, top], ":", color="0.4", lw=1, label="measured = predicted")
-        ax.set(xlabel="predicted T = k beta L ell^2 d + alpha (s)", ylabel="measured T (s)", title=_LABELS.get(platform, platform))
+            span += [*pred[pred > 0], *r["T"]]
+        ends = [min(span), max(span)]
+        ax.plot(ends, ends, ":", color="0.4", lw=1, label="measured = predicted")
+        ax.set(xlabel="predicted T = k beta L ell^2 d + alpha (s)", ylabel="measured T (s)", title=_LABELS.get(platform, platform),
+               xscale="log", yscale="log")
         ax.legend(fontsize=7)
     fig.suptitle("Measured versus predicted prefill time (each model held out of its own calibration)")
     fig.tight_layout()
@@ -85,10 +92,11 @@ def errors(table: pd.DataFrame):
     """Fig. val_plot_n_layers / cross_gpu: relative error of L_hat and P_hat per model and calibration;
     dark bars: the basic estimator of §4.2 (Eq. 2 solved for L; Eq. 9 across platforms), light: the same with L_hat
     rounded to an integer, hatched: Eq. 10's gamma_g / (k beta). P_hat uses the true ratios (registry). A missing
-    estimate (no fit) is a red cross in a band under the axis, never a bar-less 0 %."""
+    estimate (no fit) is a red cross in a band under the axis, never a bar-less 0 %. The legend sits under the
+    panels, where it hides no bar."""
     rows = table[table.d_source == "d_hat"]
     groups = list(dict.fromkeys(rows.calibration))
-    fig, axes = plt.subplots(2, len(groups), figsize=(6.5 * len(groups), 6.6), squeeze=False, sharey="row")
+    fig, axes = plt.subplots(2, len(groups), figsize=(6.5 * len(groups), 8.4), squeeze=False, sharey="row")
     for r, (what, col) in enumerate([("L", "L_err{}"), ("P", "P_err_registry_raw{}")]):
         color = "C0" if what == "L" else "C2"
         rounded = "L_err_rounded" if what == "L" else "P_err_registry_rounded"
@@ -121,9 +129,9 @@ def errors(table: pd.DataFrame):
             ax.set_ylim(-0.14 * top, 1.08 * top)
             ax.set_xticks(x, [m + (" *" if role == "target" else "") for m, role in zip(sub.model, sub.role)], rotation=35,
                           ha="right", fontsize=7)
-            ax.set(ylabel=f"relative error of {what}_hat (%)", title=f"{group}: {what}_hat")
-            ax.legend(fontsize=7)
-    fig.suptitle("Leave-one-out relative error per model (* = the attacked model, d from phase 1)")
+            ax.set(ylabel=f"|relative error| of {what}_hat (%)", title=f"{group}: {what}_hat")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2, frameon=False)
+    fig.suptitle("Leave-one-out |relative error| per model (* = the attacked model, d from phase 1)")
     fig.tight_layout()
     return fig
 
@@ -160,7 +168,9 @@ def cross_platform(records: dict[str, list[dict]], discard: int):
             gamma.append(fit_gamma(pts.d, pts.ell, pts.T, pts.sigma).slope)
         ratio, over = f"k = gamma_{names[1]} / gamma_{names[0]}", f"over the {len(both)} references timed on both"
         try:
-            fig.suptitle(f"Cross-platform calibration: {ratio} = {transfer_factor(gamma[1], gamma[0]):.2f} {over}")
+            fig.suptitle(f"Cross-platform calibration: {ratio} = {gamma[1]:.3g} / {gamma[0]:.3g} = "
+                         f"{transfer_factor(gamma[1], gamma[0]):.2f} {over}\n(both gammas over those {len(both)}; "
+                         "the legend's are each platform's over all its references)")
         except NVError:  # the fits report it per model (``evaluation.held_out``); the figure shows the failure
             fig.suptitle(f"No cross-platform calibration: {ratio} needs both gammas positive {over}\n"
                          f"(gamma_{names[0]} = {gamma[0]:.3g} s, gamma_{names[1]} = {gamma[1]:.3g} s: the timings too noisy or too short)", color="crimson")

@@ -19,7 +19,9 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
         ax.plot(N, np.where(mu >= 1, mu, np.nan), color="C0",  # below one token the log axis has nothing to show
                 label=f"predicted from the pilot ({s.pilot_prompts:.0f} x {s.pilot_N:,.0f})")
         ax.plot(rows.N, np.maximum(rows.measured_C, 0.5), "o", color="C0", label="measured: tokens under every prompt")
-        ax.plot(rows.N, rows.pruned_C, "s", mfc="none", color="C2", label="measured: greedy-pruned common set")
+        ax.plot(rows.N, rows.pruned_C, "s", mfc="none", color="C2",
+                label=f"measured: greedy-pruned common set (over D' = {rows.pruned_D.min():,.0f}-{rows.pruned_D.max():,.0f} "
+                      "of the prompts)")
         ax.axhline(s.d_true, color="k", ls=":", lw=1, label=f"true d = {s.d_true:.0f}")
         if np.isfinite(s.N_for_d):
             ax.axvline(s.N_for_d, color="C0", ls="--", lw=1, label=f"planner: |C| >= d at N = {s.N_for_d:,.0f}")
@@ -31,7 +33,7 @@ def common_set_vs_N(table: pd.DataFrame, curves: dict[str, tuple[np.ndarray, np.
             ax.axvline(s.adaptive_stop_N, color="C1", ls="-", lw=1.2,
                        label=f"adaptive loop stops at N = {s.adaptive_stop_N:,.0f}{ratio}")
         ax.set(xscale="log", yscale="log", ylim=(0.5, None), xlabel="samples per prompt N",
-               ylabel=f"common set |C| (D = {s.D:,.0f} prompts)", title=model)
+               ylabel=f"common set |C| (strict: under all D = {s.D:,.0f} prompts)", title=model)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)  # under the x label
     fig.suptitle("Budget planner: the common set of the full attack predicted from a pilot (Theorem 1's mean, fitted tail)",
                  y=1.02)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 from nv.errors import NVError
@@ -82,6 +83,9 @@ def cost_overhead(d: int, overheads: dict[str, dict]):
             ax.annotate("", xy=(x, lb * 4), xytext=(x, lb), arrowprops={"arrowstyle": "->", "color": f"C{k}"},
                         annotation_clip=False)
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))  # 10x, 20x, 50x, ...: plain numbers
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     bounds = [o["lower_bound"] for o in overheads.values() if o["ratio"] is None]
     if bounds:  # room for the arrows over the lower bounds
         ax.set_ylim(top=max(ax.get_ylim()[1], 5 * max(bounds)))
