@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from nv.phase2.intervals import conformal, hull
 from nv.validation import coverage
@@ -167,6 +168,31 @@ def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero(
         f"|relative error| of {w}_hat (%)" for w in "LP"]  # d too, as the paper's
     assert sorted(x for line in _lines(fig.axes[0], "X") for x in line.get_xdata()) == sorted(
         small(1e7 + 2, 1e7 + 5) + wide(1e7 + 2, 1e7 + 5, 1e8 + 2, 1e8 + 5))
+    _legible(fig)
+
+
+def test_the_per_model_error_bars_cut_nothing_off_and_draw_no_fit_as_a_failure():
+    """Fig. L_param_err_budget_per_model (a review, 2026-12-07): a bar past the old 150 % top (SmolLM2's attacker-side P
+    across platforms, +178 %) was cut off without its value, and a missing estimate was a bar of 0 %. On the symlog axis
+    every bar and interval end is inside the axes; no fit is a red cross on the floor and no bar at all."""
+    from nv.plots.validation import L_P_errors
+
+    row = {"setup": "F", "model": "m", "calibration": "same platform", "L_true": 30, "P_true": 1e8, "L_hat_basic": 29.0,
+           "L_hat_eq10": np.nan, "L_hat": 29.0, "P_hat": 2.78e8, "P_hat_paper": 1.2e8, "P_hat_oracle": 0.9e8,
+           "L_lo": 10.0, "L_hi": 60.0, "L_lo_rule": 20.0, "L_hi_rule": 45.0,
+           "P_lo": 0.5e8, "P_hi": np.inf, "P_lo_rule": 1e8, "P_hi_rule": 8.2e8}
+    fine = {k: (v * 1.05 if isinstance(v, float) and np.isfinite(v) else v) for k, v in row.items()} | {
+        "model": "n", "L_hat_eq10": 28.0, "P_hat": 1.1e8, "P_hi": 3e8}  # a second model within the linear part
+    fig = L_P_errors(pd.DataFrame([row, fine]))
+    (ax,) = fig.axes
+    assert ax.get_yscale() == "symlog"
+    lo, hi = ax.get_ylim()
+    heights = [bar.get_height() for bar in ax.patches]
+    assert lo == -100 and max(h for h in heights if np.isfinite(h)) == pytest.approx(178) and hi > 720  # the rule's +720 %
+    assert sum(not np.isfinite(h) for h in heights) == 1  # m's missing Eq. 10 L: no bar, not one of 0 %
+    (cross,) = _lines(ax, "X")
+    assert list(cross.get_ydata()) == [-100]
+    assert [t.get_text() for t in ax.texts] == ["to inf"]  # the hull's infinite upper end, written where it leaves
     _legible(fig)
 
 

@@ -179,7 +179,7 @@ def L_P_errors(top: pd.DataFrame):
     """Per-model signed errors at the full budget: L by both estimators and the rule, P attacker-side (with their
     90 % intervals: the hull and the rule's estimator's), with the paper's default ratios and with the true ratios; one
     panel per setup. The axis is linear within +-100 % and logarithmic beyond, so every bar and interval end is drawn;
-    an estimate without a fit is a red cross under the axis' -100 %, never a bar of 0 %."""
+    an estimate without a fit is a red cross on the axis' floor (-100 %), never a bar of 0 %."""
     setups = list(dict.fromkeys(top.setup))
     fig, axes = plt.subplots(len(setups), 1, figsize=(13, 4.6 * len(setups)), squeeze=False)
     bars = [("L_hat_basic", "L basic (§4.2)", "L_true"), ("L_hat_eq10", "L Eq. 10", "L_true"), ("L_hat", "L rule", "L_true"),
@@ -195,7 +195,7 @@ def L_P_errors(top: pd.DataFrame):
             ax.bar(x, err, width, color=f"C{j}", label=name)  # NaN: no bar
             if err.isna().any():  # on the axis' floor, drawn over it
                 ax.plot(x[err.isna()], [-100] * int(err.isna().sum()), clip_on=False, **FAIL)
-            high = max(high, float(np.nanmax(err, initial=0.0)))
+            high = max([high, *err.dropna()])
             if col in ("L_hat", "P_hat"):  # thick: the rule's estimator's interval; thin: the hull of both estimators'
                 for suffix, style in (("_rule", {"ecolor": "0.55", "lw": 4, "capsize": 0}), ("", {"ecolor": "k", "lw": 1, "capsize": 2})):
                     lo, hi = (100 * (rows[f"{col[0]}_{b}{suffix}"] - rows[truth]) / rows[truth] for b in ("lo", "hi"))
@@ -204,7 +204,7 @@ def L_P_errors(top: pd.DataFrame):
                             ax.annotate("to inf", (xi, CAP), ha="left", va="top", fontsize=7, xytext=(3, -2),
                                         textcoords="offset points")
                     hi = hi.clip(upper=CAP)
-                    high = max(high, float(np.nanmax(hi, initial=0.0)))
+                    high = max([high, *hi.dropna()])
                     ok = err.notna()
                     ax.errorbar(x[ok], err[ok], yerr=[(err - lo).clip(lower=0)[ok], (hi - err).clip(lower=0)[ok]],
                                 fmt="none", **style)
