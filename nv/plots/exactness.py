@@ -27,9 +27,9 @@ def _said(rows: pd.DataFrame) -> str:
 def grid(table, paper_budget: tuple[int, int] | None = None, adaptive: pd.DataFrame | None = None,
          paper_g: int | None = None):
     """Where phase 1 becomes exact: one panel per (model, tau), each (N, D) cell a square (robust), a circle (paper
-    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome, what each said
-    written under the cell in that order (exact: d within
-    ``d_interval``'s max(3, 0.5 % of d_hat_raw) of d_hat_raw), dashed lines of equal token cost, the cheapest exact cell of each estimator
+    estimator) and a diamond (missing-data estimator, where the table has it) coloured by outcome (exact: d within
+    ``d_interval``'s max(3, 0.5 % of d_hat_raw) of d_hat_raw), what each said written under the cell in that order
+    (``_said``), dashed lines of equal token cost, the cheapest exact cell of each estimator
     ringed and listed in the panel's corner with its raw answer (and, given ``paper_g``, the paper estimator's as
     Alg. 2 reports it, snapped to g ceil(d_hat / g)); ``paper_budget`` = (D, N) of the paper's own sampling, a star
     (its token cost at the panel's mean prompt length); ``adaptive`` (``exactness.adaptive_stop``'s stops: model,

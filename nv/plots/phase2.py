@@ -77,7 +77,7 @@ def measured_vs_predicted(records: dict[str, list[dict]], table: pd.DataFrame):
             row = same.loc[r["model"]]
             pred = scaling_relation(row["k"] * row["beta"], row["alpha"], r["L"], r["d"], np.array(r["ell"]))
             ax.scatter(pred, r["T"], color=colors[r["model"]], label=r["model"], **_marker(r))
-            span += [*pred[pred > 0], *r["T"]]
+            span += [v for v in (*pred, *r["T"]) if v > 0]  # what a log axis can show
         ends = [min(span), max(span)]
         ax.plot(ends, ends, ":", color="0.4", lw=1, label="measured = predicted")
         ax.set(xlabel="predicted T = k beta L ell^2 d + alpha (s)", ylabel="measured T (s)", title=_LABELS.get(platform, platform),
