@@ -94,7 +94,8 @@ def test_d_vs_budget_draws_a_failure_as_a_failure():
     side at a shared N (``dodge``: the one's cross no longer hides the other's)."""
     from nv.plots.validation import d_vs_budget, dodge
 
-    small, wide = (lambda *xs, i=i: tuple(dodge(xs, i, 2)) for i in (0, 1))
+    colors = {"small": "C0", "wide": "C1"}  # the figures' order of the two models
+    small, wide = (lambda *xs, m=m: tuple(dodge(xs, m, colors)) for m in colors)
 
     rows = []
     for model, d, said in (("small", 576, {10**4: (None, 300), 10**5: (570, None), 3 * 10**5: (576, None)}),
@@ -133,7 +134,8 @@ def test_error_vs_budget_figures_put_a_missing_estimate_in_the_band_not_at_zero(
     only setup F on the reference platform; the models side by side where their budgets coincide."""
     from nv.plots.validation import FAIL_Y, L_param_err_budget, dodge, err_d_L_N
 
-    small, wide = (lambda *xs, i=i: tuple(dodge(xs, i, 2)) for i in (0, 1))
+    colors = {"small": "C0", "wide": "C1"}  # the figures' order of the two models
+    small, wide = (lambda *xs, m=m: tuple(dodge(xs, m, colors)) for m in colors)
 
     rows = []
     for model, errs in (("small", [(None, None, None), (0.0, 0.1, -0.2), (0.0, -0.05, 0.1)]),

@@ -45,15 +45,16 @@ def scaling(records: dict[str, list[dict]], discard: int, title: str = SCALING_T
         refs = [r for r in recs if r["role"] == "reference"]
         pts = timings(refs, discard, "d")
         fit = fit_scaling(pts.L, pts.d, pts.ell, pts.T, pts.sigma)
+        span = []
         for r in recs:
             x = r["L"] * np.array(r["ell"]) ** 2 * r["d"]
+            span += [x.min(), x.max()]
             order = np.argsort(r["ell"])
             label = f"{r['model']} (d={r['d']}, L={r['L']})" + (" target" if r["role"] == "target" else "")
             color = colors[r["model"]]
             ax.scatter(x[order[discard:]], np.array(r["T"])[order[discard:]], color=color, label=label, **_marker(r))
             ax.scatter(x[order[:discard]], np.array(r["T"])[order[:discard]], facecolor="none", edgecolor=color, s=14)
-        xs = np.geomspace(min(r["L"] * min(r["ell"]) ** 2 * r["d"] for r in recs),
-                          max(r["L"] * max(r["ell"]) ** 2 * r["d"] for r in recs), 50)
+        xs = np.geomspace(min(span), max(span), 50)
         line = fit.slope * xs + fit.intercept
         ax.plot(xs[line > 0], line[line > 0], "k--", lw=1,
                 label=f"Eq. 2 fit: beta={fit.slope:.3g} s per layer x token^2 x dim, alpha={fit.intercept:.3g} s")

@@ -9,7 +9,6 @@ estimate" band above the axes, never on the 0 % line; the robust estimator's low
 from __future__ import annotations
 
 import itertools
-from functools import partial
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
@@ -51,9 +50,10 @@ def fail_band(ax, xs, top: float, label: str | None, color: str | None = None) -
     ax.axhspan(top * 0.96, top * 1.04, color="red", alpha=0.07)
 
 
-def dodge(xs, i: int, n: int) -> np.ndarray:
-    """``xs`` on a log axis shifted by 0.05 decade per model (model ``i`` of ``n``, centred): models at the same budget
-    side by side, none hiding another's marker or cross."""
+def dodge(xs, model, colors: dict) -> np.ndarray:
+    """``xs`` on a log axis shifted by 0.05 decade per model (``model``'s place among ``colors``' models, centred):
+    models at the same budget side by side, none hiding another's marker or cross."""
+    i, n = list(colors).index(model), len(colors)
     return np.asarray(xs, dtype=np.float64) * 10 ** (0.05 * (i - (n - 1) / 2))
 
 
@@ -81,13 +81,12 @@ def d_vs_budget(phase1: pd.DataFrame):
         for model, r in rows.groupby("model", sort=False):
             r = r.sort_values("N")
             ok = r[r.saturated]
-            at = partial(dodge, i=list(colors).index(model), n=len(colors))
-            ax.plot(at(ok.N), 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.7, ms=6,
+            ax.plot(dodge(ok.N, model, colors), 100 * (ok.d_hat_raw - ok.d_true) / ok.d_true, "o-", color=colors[model], alpha=0.7, ms=6,
                     label=f"{model} (d = {int(r.d_true.iloc[0])})")
             fail = r[~r.saturated]
-            fail_band(ax, at(fail.N), top, None, colors[model])
+            fail_band(ax, dodge(fail.N, model, colors), top, None, colors[model])
             if method != "paper" and len(fail):  # d >= bound: the error is at least the bound's, so the triangle points up
-                ax.plot(at(fail.N), 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "^", mfc="none", color=colors[model], ms=7)
+                ax.plot(dodge(fail.N, model, colors), 100 * (fail.lower_bound - fail.d_true) / fail.d_true, "^", mfc="none", color=colors[model], ms=7)
         mean = rows[rows.saturated].groupby("N").apply(lambda g: 100 * np.mean((g.d_hat_raw - g.d_true) / g.d_true),
                                                           include_groups=False)
         ax.plot(mean.index, mean.values, "k_-", lw=2.5, ms=14, mew=2.5, label="mean error of the saturated models")
@@ -113,13 +112,12 @@ def _per_model(ax, cases: pd.DataFrame, x: str, what: str, colors: dict, top: fl
     for model, r in cases.groupby("model", sort=False):
         r = r.sort_values(x)
         ok = r[r[f"{what}_err"].notna()]
-        at = partial(dodge, i=list(colors).index(model), n=len(colors))
-        ax.plot(at(ok[x]), 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
+        ax.plot(dodge(ok[x], model, colors), 100 * ok[f"{what}_err"].abs(), "-", color=colors[model], alpha=0.5, label=model)
         for K in sorted(ok.trials.unique()):  # the cases of one phase-1 budget differ in K'
             with_K = ok[ok.trials == K]
-            ax.plot(at(with_K[x]), 100 * with_K[f"{what}_err"].abs(), markers[int(K)], color=colors[model], alpha=0.8, ms=5,
+            ax.plot(dodge(with_K[x], model, colors), 100 * with_K[f"{what}_err"].abs(), markers[int(K)], color=colors[model], alpha=0.8, ms=5,
                     zorder=4)
-        fail_band(ax, at(r[r[f"{what}_err"].isna()][x]), top, None, colors[model])
+        fail_band(ax, dodge(r[r[f"{what}_err"].isna()][x], model, colors), top, None, colors[model])
     ok = cases[cases[f"{what}_err"].notna()]
     if len(ok):  # each model's k-th phase-1 budget at its largest K', averaged (models differ in budgets and K')
         full = ok.loc[ok.groupby(["model", "N"]).trials.idxmax()].sort_values(["model", "N"])
