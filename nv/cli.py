@@ -20,7 +20,7 @@ from pathlib import Path
 from nv.errors import NVError, run_main
 from nv.models.packaged import PACKAGED
 from nv.outputs import write_json
-from nv.params import SCHEMA, load_params
+from nv.params import SCHEMA, check_section, load_params
 
 PHASE1_SECTIONS = ["model", "search", "sampling", "spectrum"]
 
@@ -89,7 +89,7 @@ def defence_overrides(section: dict, pairs: list[str]) -> dict:
             section[key] = float(value) if isinstance(value, str) else value
         except ValueError:
             section[key] = value
-    return section
+    return check_section("defence", section, "--defence") if pairs else section
 
 
 # options of a live endpoint (its budget, journal, plan) and of its phase 2 (timing), by argparse dest

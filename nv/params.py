@@ -250,11 +250,12 @@ SCHEMA: dict[str, dict] = {
 }
 
 
-def check_section(name: str, section: object) -> dict:
-    """Validate one section (recursively) against ``SCHEMA[name]``; return it unchanged."""
+def check_section(name: str, section: object, where: str = "params") -> dict:
+    """Validate one section (recursively) against ``SCHEMA[name]``; return it unchanged. ``where`` begins the
+    one-line error of a key's value (``--defence`` for the command line's overrides)."""
     if not isinstance(section, dict):
         raise NVError(f"params: section '{name}' must be a mapping, got {type(section).__name__}")
-    _check(name, section, SCHEMA[name])
+    _check(name, section, SCHEMA[name], where)
     if name == "defences":
         check_knobs(section["knobs"])
     for item, entry in section.items() if name == "timing_family" else ():

@@ -232,23 +232,32 @@ def test_a_busy_output_folder_a_bad_model_folder_and_a_dry_run_s_odd_journal_are
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     LlamaForCausalLM(config).save_pretrained(model)
     lm32.tokenizer.save_pretrained(model)
-    heads, weights = tmp_path / "heads", tmp_path / "weights"
-    shutil.copytree(model, heads)
-    shutil.copytree(model, weights)
-    spec = json.loads((heads / "config.json").read_text())
-    (heads / "config.json").write_text(json.dumps(spec | {"num_attention_heads": 7}))  # 64 is no multiple of 7
+    heads, weights, more, fewer = (tmp_path / name for name in ("heads", "weights", "more", "fewer"))
+    spec = json.loads((model / "config.json").read_text())
+    for folder, change in ((heads, {"num_attention_heads": 7}), (weights, {}), (more, {"num_hidden_layers": 3}),
+                           (fewer, {"num_hidden_layers": 1})):  # 64 is no multiple of 7; layers the weights lack, or hold
+        shutil.copytree(model, folder)
+        (folder / "config.json").write_text(json.dumps(spec | change))
     (weights / "model.safetensors").write_bytes(os.urandom(4096))
+    cache = tmp_path / "cache-file"  # $NV_CACHE naming a file: the Qwen model cannot be assembled there
+    cache.write_text("")
     try:
         for args, message in (
                 (["--simulate", "embedded", "--out", str(busy)], f"output folder {busy} is in use by another nv attack"),
                 (["--simulate", str(heads)], f"cannot load model '{heads}': "),
                 (["--simulate", str(weights)], f"cannot load model '{weights}': "),
+                # random weights for a layer the file lacks, or a layer left out, were loaded silently before
+                (["--simulate", str(more)], f"model '{more.resolve()}' has no weights for 9 parameter(s) (model.layers.2."),
+                (["--simulate", str(fewer)], f"model '{fewer.resolve()}' holds weights its config has no place for: 9 "),
+                (["--simulate", "qwen2.5-coder-0.5b"], f"cannot write the model cache {cache}/packaged ("),
                 (["--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--dry-run", "--journal", str(tmp_path)],
                  f"journal {tmp_path} is not a regular file")):
             proc = subprocess.run(NV + ["attack", *args, "--params", str(params), "--quiet"], capture_output=True, text=True,
-                                  timeout=300, cwd=tmp_path)
+                                  timeout=300, cwd=tmp_path, env=os.environ | {"NV_CACHE": str(cache)} if "qwen" in args[1]
+                                  else None)
             assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-            (line,) = proc.stderr.strip().splitlines()
+            *report, line = proc.stderr.strip().splitlines()  # transformers' load report, where the weights differ
+            assert not report or args[1] in (str(more), str(fewer)) and "LOAD REPORT" in report[0], proc.stderr
             assert line.startswith("error: ") and message in line, line
     finally:
         os.close(fd)

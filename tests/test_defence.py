@@ -401,7 +401,8 @@ ATTACK = ["attack", "--simulate", "embedded"]
 def test_bad_defence_flags_are_one_line_errors_with_exit_2(root, tmp_path, capsys):
     params = write_tiny_params(root, tmp_path)
     for flag, message in [("jitter=1", "unknown --defence key 'jitter'"), ("top_p", "KEY=VALUE"),
-                          ("top_p=2", "'defence.top_p' must be null or a number in (0, 1) (1 defends nothing)"),
+                          # the flag's value named as the flag's, not as a params.yaml key (a review, 2026-12-07)
+                          ("top_p=2", "error: --defence: 'defence.top_p' must be null or a number in (0, 1) (1 defends nothing)"),
                           # a setting that switches nothing on: the run would report an undefended attack as defended
                           ("top_p=1", "'defence.top_p' must be null or a number in (0, 1) (1 defends nothing), got 1"),
                           ("noise_sigma=0", "'defence.noise_sigma' must be null or a finite number > 0 (0 defends nothing)"),

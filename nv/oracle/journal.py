@@ -42,6 +42,14 @@ log = logging.getLogger(__name__)
 # what to do about a bad line: the lines above it are whole (each was fsync'ed before its reply left the oracle)
 _RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or use a new --journal path)"
 MAGIC = "nightvision-journal"
+
+
+def _strict_json(data: bytes):
+    """``json.loads`` without its NaN and Infinity extension: ``canonical`` never writes them, so a line holding one
+    was changed outside nv (a NaN log-prob would pass for a number and poison the matrix)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(data, parse_constant=refuse)
 _DIGEST = re.compile("[0-9a-f]{64}")
 VERSION = 1
 
@@ -260,7 +268,7 @@ class Journal:
                     raise NVError(f"journal {self.path}: line {i} is corrupt, so the journal cannot be trusted "
                                   f"{_RECOVER.format(keep=i - 1)}")
                 try:
-                    entry = json.loads(line) if line.endswith(b"\n") else None
+                    entry = _strict_json(line) if line.endswith(b"\n") else None
                     if not isinstance(entry, dict):
                         raise ValueError
                 except ValueError:
@@ -326,7 +334,7 @@ class Journal:
                 break
             data += chunk
         try:
-            entry = json.loads(data)
+            entry = _strict_json(data)
             if not isinstance(entry, dict):
                 raise ValueError
             return entry

@@ -19,7 +19,7 @@ import numpy as np
 
 from nv.errors import NVError
 from nv.models.loading import LoadedModel, default_cache_dir, embedded_gguf, gguf_path, load_model
-from nv.models.packaged import read_gguf
+from nv.models.packaged import cache_folder, read_gguf
 from nv.outputs import read_json
 from nv.oracle import Oracle, Simulator
 from nv.models.reference_family import random_llama, shape_from_entry, write_gguf
@@ -102,7 +102,7 @@ def _gguf_for(model: TimedModel, seed: int) -> Path:
         except NVError:  # written atomically, so cut short or damaged outside nv: written again
             path.unlink()
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        cache_folder(path.parent)
         write_gguf(model.lm, embedded_gguf(), path)
     model.gguf = path
     return path

@@ -4,8 +4,8 @@ baseline), ``phase2`` (§4.2, App. B.3: timing scaling, calibration, errors), ``
 ``validation`` (§5.1 across models), ``sweep`` (one timed model's App. D prefill sweep), and beyond the paper
 ``exactness`` (the (D, N, tau) grid), ``planner`` (the pilot's predicted common set) and ``defences`` (each
 defence's effect and price).
-The helpers every figure shares live here: the non-interactive backend, ``save``, ``mark_truth`` and each phase-1
-estimator's marker (``ESTIMATOR_MARKERS``)."""
+The helpers every figure shares live here: the non-interactive backend, ``save``, ``mark_truth``, ``name_band``,
+``sci_ticks`` and each phase-1 estimator's marker (``ESTIMATOR_MARKERS``)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def mark_truth(ax, d_true: int | None) -> None:
     """A dotted vertical line at the true hidden dimension, when it is known."""
     if d_true:
         ax.axvline(d_true, color="k", ls=":", lw=1, label=f"true d = {d_true}")
+
+
+def name_band(ax, y: float, ticks) -> None:
+    """Name the "no estimate" band at height ``y`` on the y axis, a red tick beside the error ``ticks``: a label inside
+    the band was covered by its own markers (every figure with the band names it so). Call it once the y limits are
+    set: an error tick within a tenth of the axis of the band is left out, its label would touch the band's."""
+    low, high = ax.get_ylim()
+    ticks = [t for t in ticks if abs(y - t) >= 0.1 * (high - low)]
+    ax.set_yticks([*ticks, y], [f"{t:g}" for t in ticks] + ["no estimate"])
+    ax.yaxis.get_major_ticks()[len(ticks)].label1.set_color("red")  # also where a shared y axis hides the labels

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from nv.phase1.spectrum import d_interval
-from nv.plots.phase1 import name_band
+from nv.plots import name_band
 
 WRONG = {"marker": "o", "ms": 15, "mfc": "none", "mec": "red", "mew": 1.8, "ls": "none"}
 OFFSET = (-0.18, 0.0, 0.18)  # x offsets of the variants' crosses in the band, so that none hides another

@@ -7,30 +7,42 @@ import matplotlib.ticker
 import numpy as np
 
 from nv.phase1.entropy import entropy_nats, top_k_mass
-from nv.plots import mark_truth
+from nv.plots import mark_truth, name_band
 
 
-def temperature_entropy(rows: dict[str, np.ndarray], temperatures: tuple[float, float], top_k: int):
-    """App. B.1.1 figure: sorted next-token probabilities, one row per prompt, one column per tau.
+def _drawable(text: str) -> str:
+    """``text`` with every character the figures' font has no glyph for written as its code point (U+A982): an emoji
+    or Javanese prompt drew as empty boxes, and as escape codes before that."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
 
-    ``rows`` maps a prompt label to its two log-probability vectors (one per temperature).
+    charmap = FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap()
+    return "".join(ch if ord(ch) in charmap else f" U+{ord(ch):04X} " for ch in text).strip().replace("  ", " ")
+
+
+def temperature_entropy(rows: dict[str, tuple[str, list[np.ndarray]]], temperatures: tuple[float, float], top_k: int):
+    """App. B.1.1 figure: sorted next-token probabilities, one row per prompt, one column per tau (the paper's layout).
+
+    ``rows`` maps a prompt's label to its text and its two log-probability vectors (one per temperature). Each panel
+    also draws the other prompts at its tau in grey, so the rows' difference is seen, not only read off the numbers.
     """
     fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3.2 * len(rows)), sharey=True, squeeze=False)
-    for r, (label, logps) in enumerate(rows.items()):
+    for r, (label, (text, logps)) in enumerate(rows.items()):
         for c, (tau, logp) in enumerate(zip(temperatures, logps)):
             ax = axes[r, c]
+            for other, (_, other_logps) in rows.items():
+                if other != label:
+                    ax.loglog(np.arange(1, len(other_logps[c]) + 1), np.sort(np.exp(other_logps[c]))[::-1], lw=1,
+                              color="0.7", label=f"{other.split()[0]} prompt at T = {tau:g}")
             p = np.sort(np.exp(logp))[::-1]
-            ranks = np.arange(1, len(p) + 1)
-            ax.loglog(ranks, p, lw=1.2, color="C0" if r == 0 else "C3")
-            ax.axvspan(1, top_k, color="0.9", zorder=0)
+            ax.loglog(np.arange(1, len(p) + 1), p, lw=1.5, color=f"C{3 * r}", label=f"{label.split()[0]} prompt")
+            ax.axvspan(1, top_k, color="0.93", zorder=0)
             ax.axhline(1 / len(p), ls=":", color="0.4", lw=0.8)
-            ax.text(
-                0.98, 0.95,
-                f"top-{top_k} mass {top_k_mass(logp, top_k):.0%}\nentropy {entropy_nats(logp):.2f} nats",
-                transform=ax.transAxes, ha="right", va="top", fontsize=9,
-            )
-            ax.set_title(f"{label}\nT = {tau:g}", fontsize=9)  # one line ran into the next panel's title
+            ax.text(0.98, 0.95, f"top-{top_k} mass {top_k_mass(logp, top_k):.0%}\nentropy {entropy_nats(logp):.2f} nats",
+                    transform=ax.transAxes, ha="right", va="top", fontsize=9)
+            ax.set_title(f"{label} \"{_drawable(text)}\", T = {tau:g}", fontsize=9)
             ax.set_xlabel("token rank")
+            ax.legend(fontsize=7, loc="lower left")
         axes[r, 0].set_ylabel("probability")
     axes[0, 1].annotate("uniform 1/|V|", xy=(2, 1 / len(p)), xytext=(2, 3 / len(p)), fontsize=8, color="0.3")
     fig.suptitle(f"Next-token distributions without and with temperature scaling (shaded: the top {top_k} tokens)")
@@ -65,15 +77,20 @@ def distinct_tokens(distinct_per_prompt: np.ndarray, N: int, vocab_size: int):
 
 
 def coverage(coverage_per_token: np.ndarray, D: int, D_prime: int, C: int):
-    """Prompts observing each token (sorted) and the common set kept by greedy pruning."""
+    """Prompts that never drew each token (tokens sorted by coverage) and the common set kept by greedy pruning: on a
+    log scale, where the fraction observing it sat flat at 1 up to |C| on a linear one."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(np.arange(1, len(coverage_per_token) + 1), np.sort(coverage_per_token)[::-1] / D, color="C0")
+    missing = np.sort(D - np.asarray(coverage_per_token))
+    ax.plot(np.arange(1, len(missing) + 1), missing, color="C0", label="prompts that never drew the token")
     ax.axvline(C, color="C3", ls="--", label=f"common set |C| = {C:,} over D' = {D_prime:,} of D = {D:,} prompts")
+    ax.axhline(D - D_prime, color="C3", ls=":", label=f"D - D' = {D - D_prime:,} prompts pruned")
     ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(-0.2, D * 1.5)
     ax.set_xlabel("token (sorted by coverage)")
-    ax.set_ylabel("fraction of prompts observing it")
+    ax.set_ylabel(f"prompts missing it (of D = {D:,})")
     ax.set_title("Greedy NaN pruning (App. B.1.2)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
 
@@ -151,16 +168,6 @@ def spectrum_panels(full_sigma: np.ndarray | None, paper, robust, d_true: int | 
     return fig
 
 
-def name_band(ax, y: float, ticks) -> None:
-    """Name the "no estimate" band at height ``y`` on the y axis, a red tick beside the error ``ticks``: a label inside
-    the band was covered by its own markers (every figure with the band names it so). Call it once the y limits are
-    set: an error tick within a tenth of the axis of the band is left out, its label would touch the band's."""
-    low, high = ax.get_ylim()
-    ticks = [t for t in ticks if abs(y - t) >= 0.1 * (high - low)]
-    ax.set_yticks([*ticks, y], [f"{t:g}" for t in ticks] + ["no estimate"])
-    ax.yaxis.get_major_ticks()[len(ticks)].label1.set_color("red")  # also where a shared y axis hides the labels
-
-
 BAND = 130  # budget_sweep's "no estimate" band, above the error axis (0-100 %): a row in it per estimator
 
 
@@ -191,11 +198,14 @@ def budget_sweep(table, d_true: int | None):
     ax.axhline(10, color="0.6", ls=":", lw=0.8, label="10 %")
     ax.axhspan(BAND - 16, BAND + 16, color="red", alpha=0.07)
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    budgets = np.unique(table.tokens)  # labelled at the sweep's own budgets: a decade's tick alone named one of them
+    ax.set_xticks(budgets, [f"{b:.2g}".replace("e+0", "e").replace("e+", "e") for b in budgets])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlim(budgets[0] / 1.4, budgets[-1] * 2.2)  # room right of the last budget for its reasons
     ax.set_ylim(-5, BAND + 18)
     name_band(ax, BAND, range(0, 101, 20))
     ax.set_xlabel("token budget (§5: (system + input + output tokens) x samples)")
-    ax.set_ylabel(f"relative error of d_hat_raw (%), true d = {d_true}")
+    ax.set_ylabel(f"|relative error| of d_hat_raw (%), true d = {d_true}")
     ax.set_title("Hidden-dimension error versus budget (x, +, Y: no estimate, with the reason)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -15,7 +15,7 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from nv.plots.phase1 import name_band
+from nv.plots import name_band
 
 FAIL = {"marker": "X", "color": "red", "ms": 8, "ls": "none", "zorder": 4}
 FAIL_Y = 112  # the no-estimate band's height on a |error| (%) axis: its tick clear of the 100 one
