@@ -795,11 +795,17 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path, capl
     path.write_bytes(b"\n".join(lines[:1] + [b"{broken"] + lines[2:]))
     with pytest.raises(NVError, match=r"line 2 is corrupt, .* \(keep the replies above it with `head -n 1`"):
         Journal(path, {"endpoint": "e"})
-    # Python's JSON extensions, which nv never writes: a NaN log-prob or an infinite token count is a corrupt line
-    for bad in (b'{"r":"k","d":{"c":[["s:a",NaN,[]]],"p":1,"o":1}}', b'{"r":"k","d":{"c":[],"p":Infinity,"o":1}}'):
+    # Python's JSON extensions, which nv never writes: a NaN log-prob or an infinite token count is a corrupt line,
+    # the last whole line too (it was dropped as torn: a paid reply lost, a NaN one silently)
+    for bad in (b'{"r":"k","d":{"c":[["s:a",NaN,[]]],"p":1,"o":1}}', b'{"r":"k","d":{"c":[],"p":Infinity,"o":1}}',
+                b'{"r":"k","d":{"c":[["s:a",-1e999,[]]],"p":1,"o":1}}', b'{"r":"k","d":{"c":[],"p":1e999,"o":1}}'):
         path.write_bytes(b"\n".join(lines[:3] + [bad] + lines[3:]))
         with pytest.raises(NVError, match=r"line 4 is corrupt, .*`head -n 3`"):
             Journal(path, {"endpoint": "e"})
+        path.write_bytes(whole + bad + b"\n")
+        with pytest.raises(NVError, match=rf"line {len(lines)} is corrupt, .*`head -n {len(lines) - 1}`"):
+            Journal(path, {"endpoint": "e"})
+        assert path.read_bytes() == whole + bad + b"\n"  # nothing truncated
     # JSON, but not what a paid reply or a column looks like: as untrusted as a broken line, never a KeyError later
     for bad in ({"r": "k", "d": {}}, {"r": "k", "d": {"c": "garbage", "p": 1, "o": 1}}, {"r": "k", "d": {"c": [], "p": "x", "o": 1}},
                 {"r": "k", "d": {"c": [["s:a", "x", []]], "p": 1, "o": 1}}, {"r": 5, "d": {"c": [], "p": 1, "o": 1}},

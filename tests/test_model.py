@@ -252,6 +252,22 @@ def test_a_full_disk_under_the_float32_cache_falls_back_to_the_file(lm32, tmp_pa
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_a_cache_folder_that_is_a_file_falls_back_to_the_file(lm32, tmp_path, caplog):
+    """``$NV_CACHE`` naming a file: the float32 cache's write was a NotADirectoryError traceback (its folder was made
+    outside the fallback's try); now a warning naming NV_CACHE, and the load goes on from the file."""
+    from nv.models import loading
+    from nv.models.reference_family import random_llama, shape_from_entry
+
+    cache = tmp_path / "cache"
+    cache.write_text("")
+    shape = shape_from_entry({"d": 64, "L": 2, "n_kv_heads": 1, "d_ffn": 128}, lm32.arch.vocab_size, 512)
+    lm = random_llama(shape, lm32.tokenizer, "float32", 0, "tiny")
+    with caplog.at_level("WARNING"):
+        assert loading._write_cache(lm.model, lm32.tokenizer, cache / "tiny-0123") is False
+    assert f"cannot write the model cache {cache} (" in caplog.text and "set NV_CACHE to a writable folder" in caplog.text
+    assert cache.read_text() == ""
+
+
 def test_a_cache_write_stopped_midway_leaves_no_folder_and_a_sound_entry_survives_a_memory_error(tmp_path, monkeypatch):
     """The float32 cache's writer removes its temporary folder whatever stops it (it was removed on an OSError alone:
     Ctrl-C, SIGTERM or a MemoryError during a minutes-long save left up to 6.7 GB of .tmp-* in the cache); and an

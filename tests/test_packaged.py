@@ -114,3 +114,25 @@ def test_a_qwen2_model_loads_and_samples_end_to_end():
     np.testing.assert_allclose(np.exp(logp).sum(axis=1), 1.0, rtol=1e-3)
     samples = sim.sample(["def fibonacci(n):"], n=1000, temperature=2.0, seeds=[0])[0]
     assert samples.counts.sum() == 1000 and sim.cost.calls == 1000
+
+
+@pytest.mark.parametrize("depth", [31, 29])
+def test_a_gguf_whose_header_claims_another_depth_is_refused_before_loading(depth, tmp_path, capsys):
+    """The embedded GGUF with its header's block_count edited: transformers loaded the missing 31st layer with random
+    weights, or skipped the 30th layer's tensors, and the attack ran to the end (a review, 2026-12-07). ``read_gguf``
+    refuses it, and `nv attack --simulate FILE` says so in one line before any dequantisation."""
+    from nv.cli import main
+    from nv.models.loading import embedded_gguf
+    from nv.models.packaged import read_gguf
+
+    data = bytearray(embedded_gguf().read_bytes())
+    at = data.index(b"llama.block_count") + len(b"llama.block_count")
+    assert int.from_bytes(data[at:at + 4], "little") == 4 and int.from_bytes(data[at + 4:at + 8], "little") == 30  # uint32 30
+    data[at + 4:at + 8] = depth.to_bytes(4, "little")
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(bytes(data))
+    with pytest.raises(NVError, match=rf"its header claims {depth} layers, its tensors hold 30 \(blk.0 to blk.29\)"):
+        read_gguf(edited)
+    assert main(["attack", "--simulate", str(edited), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "its header claims" in err and len(err.strip().splitlines()) == 1, err

@@ -162,11 +162,13 @@ def _from_pretrained(source: str, gguf: str | None, dtype: str):
     except (OSError, ValueError, KeyError) as exc:  # ValueError, KeyError: an architecture transformers cannot build
         hint = " (offline: HF_HUB_OFFLINE=1)" if offline and isinstance(exc, OSError) else ""
         raise NVError(f"cannot load model '{source}'{hint}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
-    for kind, verb in (("missing_keys", "has no weights for"), ("unexpected_keys", "holds weights its config has no place for:")):
-        keys = sorted(info[kind])
-        if keys:  # a header or config claiming more (or fewer) layers than the weights: random weights, or a dropped layer
-            raise NVError(f"model '{source}{'/' + gguf if gguf else ''}' {verb} {len(keys)} parameter(s) ({keys[0]}, ...): "
-                          "its config does not match its weights")
+    # a config claiming more layers than the weights hold (random weights for the rest), or fewer (a layer dropped); a
+    # GGUF's own header is checked by read_gguf, as transformers skips the tensors it has no place for
+    for keys, verb in ((sorted(info["missing_keys"]), "has no weights for"),
+                       (sorted(k for k in info["unexpected_keys"] if ".layers." in k), "holds weights its config has no place for:")):
+        if keys:
+            raise NVError(f"model '{Path(source, gguf or '')}' {verb} {len(keys)} parameter(s) ({keys[0]}, ...): its config "
+                          "does not match its weights")
     return model, tokenizer
 
 

@@ -16,6 +16,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,9 +157,8 @@ def packaged_gguf(name: str, cache_dir: Path, where: Path | None = None, table: 
         tmp.replace(out)
         st = out.stat()
         stamp.write_text(json.dumps({"sha256": entry.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-    except OSError as exc:  # a full disk mid-assembly
-        raise NVError(f"cannot assemble model '{name}' in {out.parent} ({exc.strerror}): free space there or set "
-                      "NV_CACHE to another folder") from None
+    except OSError as exc:  # a full disk mid-assembly, or a chunk that cannot be read
+        raise NVError(f"cannot assemble model '{name}' in {out.parent}: {exc.filename}: {exc.strerror or exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -170,10 +170,18 @@ def read_gguf(path: Path) -> GGUFReader:
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        reader = GGUFReader(str(path))
     except (ValueError, IndexError, OverflowError, KeyError) as exc:  # what the reader raises on such a file
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise NVError(f"{path} is not a readable GGUF file ({reason}): a truncated or corrupt copy? fetch it again") from None
+    arch = reader.fields.get("general.architecture")
+    depth = arch and reader.fields.get(f"{arch.contents()}.block_count")
+    blocks = {int(m[1]) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if depth and blocks != set(range(int(depth.contents()))):  # transformers would initialise the missing layers at
+        # random, or skip tensors it has no place for, and load either way
+        raise NVError(f"{path}: its header claims {int(depth.contents())} layers, its tensors hold {len(blocks)} "
+                      f"(blk.{min(blocks, default=0)} to blk.{max(blocks, default=-1)}): a corrupt or edited file")
+    return reader
 
 
 def gguf_facts(path: Path) -> dict:

@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -44,12 +45,23 @@ _RECOVER = "(keep the replies above it with `head -n {keep}` into a new file, or
 MAGIC = "nightvision-journal"
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _refuse(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _strict_json(data: bytes):
-    """``json.loads`` without its NaN and Infinity extension: ``canonical`` never writes them, so a line holding one
-    was changed outside nv (a NaN log-prob would pass for a number and poison the matrix)."""
-    def refuse(name):
-        raise ValueError(f"{name} is not JSON")
-    return json.loads(data, parse_constant=refuse)
+    """``json.loads`` without its NaN and Infinity extension and with finite numbers only: ``canonical`` never writes
+    others, so a line holding one was changed outside nv (a NaN log-prob would pass for a number and poison the
+    matrix, an infinite token count stop the run with a traceback)."""
+    return json.loads(data, parse_constant=_refuse, parse_float=_finite)
+
 _DIGEST = re.compile("[0-9a-f]{64}")
 VERSION = 1
 
@@ -254,25 +266,26 @@ class Journal:
     def _entries(self) -> Iterator[tuple[int, int, int, dict]]:
         """Every whole line as (line number, its offset, its length, entry), read line by line (never in one read:
         Linux returns at most 2 GiB per read, and a journal cut short there would pass for a torn last line and be
-        truncated, its paid replies lost). Once every line is read, a torn last line is dropped and the file truncated to the whole
-        lines before it."""
+        truncated, its paid replies lost). Once every line is read, a torn last line (bytes after the last newline) is
+        dropped and the file truncated to the whole lines before it; a whole line that does not parse is corrupt, the
+        last one too."""
         size = os.fstat(self._fd).st_size
-        whole, tail = 0, b""  # tail: an unparsable last line, or bytes after the last newline
+        whole, tail = 0, b""  # tail: bytes after the last newline
         with open(self.path, "rb") as f:
             for i, line in enumerate(f):
-                if tail:  # the unparsable line was not the last one
-                    self.close()
-                    if i == 1:
-                        raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new "
-                                      "--journal path")
-                    raise NVError(f"journal {self.path}: line {i} is corrupt, so the journal cannot be trusted "
-                                  f"{_RECOVER.format(keep=i - 1)}")
                 try:
                     entry = _strict_json(line) if line.endswith(b"\n") else None
                     if not isinstance(entry, dict):
                         raise ValueError
                 except ValueError:
-                    tail = line
+                    if line.endswith(b"\n"):  # written whole (canonical JSON holds no newline), so changed since:
+                        self.close()  # corrupt, the last line too (dropping it as torn would lose a paid reply)
+                        if i == 0:
+                            raise NVError(f"{self.path} is not a NightVision journal (version {VERSION}): use a new "
+                                          "--journal path") from None
+                        raise NVError(f"journal {self.path}: line {i + 1} is corrupt, so the journal cannot be trusted "
+                                      f"{_RECOVER.format(keep=i)}") from None
+                    tail = line  # bytes after the last newline: a write cut short
                     continue
                 if i == 0 and (entry.get("journal") != MAGIC or entry.get("version") != VERSION):
                     self.close()  # before anything is truncated: someone else's file stays as it was

@@ -4,8 +4,8 @@ baseline), ``phase2`` (§4.2, App. B.3: timing scaling, calibration, errors), ``
 ``validation`` (§5.1 across models), ``sweep`` (one timed model's App. D prefill sweep), and beyond the paper
 ``exactness`` (the (D, N, tau) grid), ``planner`` (the pilot's predicted common set) and ``defences`` (each
 defence's effect and price).
-The helpers every figure shares live here: the non-interactive backend, ``save``, ``mark_truth``, ``name_band``,
-``sci_ticks`` and each phase-1 estimator's marker (``ESTIMATOR_MARKERS``)."""
+The helpers every figure shares live here: the non-interactive backend, ``save``, ``mark_truth``, ``name_band``
+and each phase-1 estimator's marker (``ESTIMATOR_MARKERS``)."""
 
 from __future__ import annotations
 

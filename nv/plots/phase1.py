@@ -17,7 +17,12 @@ def _drawable(text: str) -> str:
     from matplotlib.ft2font import FT2Font
 
     charmap = FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap()
-    return "".join(ch if ord(ch) in charmap else f" U+{ord(ch):04X} " for ch in text).strip().replace("  ", " ")
+    out, after_code = "", False
+    for ch in text:  # a space around each code point only, the prompt's own spaces kept
+        code = ord(ch) not in charmap
+        out += (" " if out and (code or after_code) else "") + (f"U+{ord(ch):04X}" if code else ch)
+        after_code = code
+    return out
 
 
 def temperature_entropy(rows: dict[str, tuple[str, list[np.ndarray]]], temperatures: tuple[float, float], top_k: int):
@@ -199,7 +204,7 @@ def budget_sweep(table, d_true: int | None):
     ax.axhspan(BAND - 16, BAND + 16, color="red", alpha=0.07)
     ax.set_xscale("log")
     budgets = np.unique(table.tokens)  # labelled at the sweep's own budgets: a decade's tick alone named one of them
-    ax.set_xticks(budgets, [f"{b:.2g}".replace("e+0", "e").replace("e+", "e") for b in budgets])
+    ax.set_xticks(budgets, [f"{b:.3g}".replace("e+0", "e").replace("e+", "e") for b in budgets])
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlim(budgets[0] / 1.4, budgets[-1] * 2.2)  # room right of the last budget for its reasons
     ax.set_ylim(-5, BAND + 18)
