@@ -99,13 +99,29 @@ TIMING_DEFAULTS = {"timing_k": 1.0, "context_length": 8192}
 
 
 def summary(record: dict) -> dict:
-    """The attack's last line on stdout (JSON; the full report is OUT/report.json): the estimate, its cost, why the
-    adaptive loop stopped, and phase 2's depth and size where it ran."""
+    """The attack's last line on stdout (JSON; the full report is OUT/report.json): the estimate, its cost, the
+    defence it ran behind (--simulate --defence), why the adaptive loop stopped, and phase 2's depth and size where it
+    ran."""
     out = {k: record[k] for k in ("model", "estimator", "saturated", "d_hat_raw", "d_hat", "lower_bound", "tokens", "calls")}
+    out["common_set"] = [record["D_prime"], record["common_set_size"]]
+    out |= {"d_interval": record["d_interval"]} if "d_interval" in record else {}
+    if defence := {k: v for k, v in record.get("defence", {}).items() if v is not None}:
+        out["defence"] = defence
     out |= {k: record[k] for k in ("adaptive_stop", "cost") if k in record}
     if "timing" in record:
         out["timing"] = {k: record["timing"].get(k) for k in ("L_hat", "L_interval", "P_hat", "P_interval", "note")}
     return out
+
+
+def headline(record: dict) -> str:
+    """Phase 1's outcome in words (stderr, beside the JSON summary on stdout)."""
+    block = f"common set {record['D_prime']:,} x {record['common_set_size']:,} (prompts x tokens) of D = {record['D']:,}"
+    if record["saturated"]:
+        interval = record.get("d_interval")
+        where = f", 90 % interval [{interval[0]}, {interval[1]}]" if interval and interval[1] is not None else ""
+        return f"phase 1: d_hat = {record['d_hat']} (raw {record['d_hat_raw']}{where}); {block}"
+    return (f"phase 1: not saturated, d >= {record['lower_bound']}; {block} at N = {record['N']:,} calls a prompt (more "
+            "calls grow the common set: `--dry-run --pilot` plans N; README, Planning a budget)")
 
 
 def attack(args: argparse.Namespace) -> int:
@@ -131,11 +147,19 @@ def attack(args: argparse.Namespace) -> int:
                       "a .gguf file)")  # not the hub's "Repo id must be in the form ..." for a path typed wrong
     params = load_params(params_file(args), PHASE1_SECTIONS + ["defence"])
     overrides = defence_overrides(params["defence"], args.defence)
+    from nv.oracle.defence import TIMING_KNOBS, Defence, DefendedOracle
+
+    defence = Defence(**overrides)
+    timed = [k for k in TIMING_KNOBS if getattr(defence, k) is not None]
+    if timed:
+        serves = ("`nv defend` cannot serve it either (it needs the model's tokenizer)" if timed[0] == "pad_to_tokens"
+                  else "`nv defend` serves it in front of a live server")
+        raise NVError(f"defence {timed[0]}: a timing defence, and a simulated attack times nothing (phase 1 only): the "
+                      f"defences stage sweeps it on timing records; {serves}")
     out = _writable(Path(args.out))
     with _claimed(out):
         # the model and the attack's modules (torch, scipy, matplotlib: ~20 s on a slow machine) after the input is checked
         from nv.oracle import Simulator
-        from nv.oracle.defence import TIMING_KNOBS, Defence, DefendedOracle
         from nv.phase1.pipeline import run
 
         if args.quiet:  # transformers' own bars (loading the weights) too
@@ -143,11 +167,6 @@ def attack(args: argparse.Namespace) -> int:
 
             transformers_logging.disable_progress_bar()
 
-        defence = Defence(**overrides)
-        timed = [k for k in TIMING_KNOBS if getattr(defence, k) is not None]
-        if timed:
-            raise NVError(f"defence {timed[0]}: a timing defence, and a simulated attack times nothing (phase 1 only): the "
-                          "defences stage sweeps it on timing records, `nv defend` serves it")
         model = {**params["model"], "spec": args.simulate}
         simulator = _load(lambda: Simulator.from_params(model), args.simulate)
         oracle = DefendedOracle(simulator, defence, params["seed"]) if defence.active else simulator
@@ -156,6 +175,7 @@ def attack(args: argparse.Namespace) -> int:
         record = run(oracle, params, out, args.simulate, d_true=simulator.lm.arch.d, progress=not args.quiet)
         record["defence"] = defence.as_dict()
         write_json(out / "report.json", record)
+        print(headline(record), file=sys.stderr)
         print(json.dumps(summary(record)))
         return 0
 
@@ -171,6 +191,7 @@ def attack_live(args: argparse.Namespace) -> int:
                     if getattr(args, d) is not None]
     if timing_given and not args.timing_calibration:
         raise NVError(f"{', '.join(timing_given)}: phase 2's options, they need --timing-calibration FILE")
+    k_given = args.timing_k is not None
     for dest, value in TIMING_DEFAULTS.items():
         setattr(args, dest, value if getattr(args, dest) is None else getattr(args, dest))
     params = load_params(params_file(args), PHASE1_SECTIONS + ["live"] + (["planner"] if args.pilot else []))
@@ -182,7 +203,7 @@ def attack_live(args: argparse.Namespace) -> int:
         from nv.phase2.calibration import load_calibration
 
         timing = {"calibration": load_calibration(Path(args.timing_calibration)), "k": args.timing_k,
-                  "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat}
+                  "vocab_size": args.vocab_size, "p_max": args.context_length, "d_hat": args.timing_d_hat, "k_given": k_given}
     budget = Budget(args.budget_tokens, args.budget_calls, args.budget_money, args.price_per_mtok)
     journal = Path(args.journal) if args.journal else Path(args.out) / "journal.jsonl"
     plan = live.plan(params, budget, Path(args.pilot) if args.pilot else None, (args.base_url, args.model), timing,
@@ -203,7 +224,10 @@ def attack_live(args: argparse.Namespace) -> int:
         return 0
     out = _writable(Path(args.out))
     with _claimed(out):
+        if timing is not None and not timing["k_given"]:
+            print(live.k_note(timing["calibration"]["platform"]).strip(), file=sys.stderr)
         record = live.attack(args.base_url, args.model, params, out, journal, budget, progress=not args.quiet, timing=timing)
+    print(headline(record), file=sys.stderr)
     print(json.dumps(summary(record)))
     return 0
 
@@ -220,8 +244,9 @@ def defend(args: argparse.Namespace) -> int:
     from nv.oracle.defence import Defence
     from nv.oracle.defence_proxy import serve
 
-    params = load_params(params_file(args), ["defence"])
-    serve(args.upstream, args.port, Defence(**defence_overrides(params["defence"], args.defence)), args.seed, args.timeout)
+    given = args.params is not None or Path("params.yaml").is_file()  # else every knob off but the --defence ones
+    section = load_params(params_file(args), ["defence"])["defence"] if given else dict.fromkeys(SCHEMA["defence"])
+    serve(args.upstream, args.port, Defence(**defence_overrides(section, args.defence)), args.seed, args.timeout)
     return 0
 
 
@@ -255,8 +280,8 @@ def _positive(text: str) -> float:
 
 def _amount(text: str) -> float:
     value = _number(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < math.inf:  # 1e999 read as an infinite cap, silently (a review)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -300,13 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, required=True, metavar="P", help="port of the defended endpoint on 127.0.0.1")
     d.add_argument("--defence", action="append", default=[], metavar="KEY=VALUE",
                    help="switch on a defence (params.yaml section defence), e.g. round_decimals=1; repeatable. KEY: "
-                        + ", ".join(SCHEMA["defence"]) + " (the *_ms in milliseconds, noise_sigma and min_logprob in "
-                        "nats, pad_to_tokens in tokens; README: Defences)")
+                        + ", ".join(k for k in SCHEMA["defence"] if k != "pad_to_tokens") + " (the *_ms in milliseconds, "
+                        "noise_sigma and min_logprob in nats; pad_to_tokens needs the model's tokenizer, which a proxy "
+                        "does not have; README: Defences)")
     d.add_argument("--timeout", type=_positive, default=600.0, metavar="S",
                    help="seconds to wait for the upstream's reply before answering 504 (default 600)")
     d.add_argument("--seed", type=_count, metavar="S", help="draw the noise and delays from seed S (reproducible: for tests; "
                    "default: the OS's entropy, which an attacker cannot replay)")
-    d.add_argument("--params", help="params file (section defence); default: the current folder's params.yaml")
+    d.add_argument("--params", help="params file (section defence); default: the current folder's params.yaml, if any "
+                   "(else only the --defence knobs are on)")
     args = parser.parse_args(argv)  # argparse reports its own usage errors (exit 2)
     return run_main(lambda: attack(args) if args.command == "attack" else defend(args))
 

@@ -43,8 +43,11 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import lsq_linear
+from scipy.stats import norm
 
-from nv.oracle.defence import TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, sampling_price, served_log_probs
+from nv.oracle.defence import (TIMING_KNOBS, Defence, mean_added_latency_ms, quantise, report_calls,
+                               sampling_price, served_log_probs)
+from nv.oracle.simulator import log_softmax
 from nv.params import check_knobs
 from nv.phase1.adaptive import schedule
 from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
@@ -56,6 +59,8 @@ from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 
 LOGPROB_KNOBS = ("round_decimals", "round_format", "noise_sigma", "min_logprob", "top_k", "top_p", "min_p")
+_PRICE_KEY = 2**32 - 2  # the price's stream: a spawn key that neither the rows' default_rng([seed, i]) nor
+                        # nv.oracle.defence's streams (led by 2**32 - 1) reach
 TENFOLD = 10
 
 
@@ -99,15 +104,29 @@ def short_rows(S: SampledMatrix, served: np.ndarray) -> int:
     return int(np.count_nonzero(np.asarray(inside.sum(axis=1)).ravel() < S.N))
 
 
+def clipped_noise_mean(y: np.ndarray, sigma: float, calls: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The mean of ``calls`` calls' values min(y + N(0, sigma^2), 0) (``report_calls``' noise, clipped at 0): one call
+    drawn exactly; more by the normal limit of their mean, with the clipped normal's mean y Phi(a) - sigma phi(a) and
+    variance (a = -y / sigma), which is y + N(0, sigma^2 / calls) where the clip binds on no call. (The limit is
+    exact to a few 10^-3 nats where the clip binds, a token drawn in most calls: c >= 10^3 at every N the stage runs.)"""
+    y, calls = np.asarray(y, dtype=np.float64), np.asarray(calls, dtype=np.float64)
+    a = -y / sigma
+    Phi, phi = norm.cdf(a), norm.pdf(a)
+    mean = y * Phi - sigma * phi
+    var = np.maximum(y * y * Phi - 2 * y * sigma * phi + sigma**2 * (Phi - a * phi) - mean**2, 0.0)
+    z = rng.standard_normal(y.shape)
+    return np.where(calls == 1, np.minimum(y + sigma * z, 0.0), mean + np.sqrt(var / calls) * z)
+
+
 def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bool, rng: np.random.Generator,
                     calls_scale: float = 1.0) -> np.ndarray:
     """Observed values y of tokens drawn c times as the defended API reports them (float64): noise, then rounding.
-    Noise: y + N(0, sigma^2 / (c calls_scale)) when ``averaged`` (the counter-measure: the mean of its c calls' values,
-    ``nv.oracle.defence.reported_logprobs`` in distribution), else c = 1."""
+    Noise: the mean of c calls_scale calls' clipped values (``clipped_noise_mean``) when ``averaged`` (the
+    counter-measure: ``nv.oracle.defence.reported_logprobs`` in distribution), else one call's."""
     values = np.asarray(y, dtype=np.float64)
     if defence.noise_sigma:
         per = (c if averaged else np.ones_like(c)) * calls_scale
-        values = values + defence.noise_sigma / np.sqrt(per) * rng.standard_normal(values.shape)
+        values = clipped_noise_mean(values, defence.noise_sigma, per, rng)
     return quantise(values, defence)
 
 
@@ -315,6 +334,7 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
             est = held_out(recs, [*[r for r in recs if r is not target], g], g, timing, "d_used")
             L_err = est.get("L_err", np.nan)
             rows.append({"knob": knob, "setting": label(value), "variant": variant, "trials": g["trials"], "L_true": g["L"],
+                         "P_true": g["P"],
                          "L_hat": est.get("L_hat", np.nan), "L_err": L_err, "P_hat": est.get("P_hat_registry_raw", np.nan),
                          "P_err": est.get("P_err_registry_raw", np.nan), "note": est.get("note", ""),
                          "outcome": "works" if abs(L_err) <= L_tolerance else "stopped",
@@ -324,55 +344,104 @@ def sweep_phase2(records: dict[str, list[dict]], knobs: list[tuple[str, object]]
 
 # -- the provider's side and the tables ------------------------------------------------------------------
 
-def sampling_prices(log_probs_T1: np.ndarray, temperature: float, knobs: list[tuple[str, object]]) -> pd.DataFrame:
-    """Mean KL(q || p) and TV(q, p) over ordinary prompts at the users' ``temperature`` for each sampling-side knob;
-    0 for knobs that change only what is reported (rounding, noise, threshold: the served tokens are the same)."""
+def logprob_price(log_probs_T1: np.ndarray, temperature: float, defence: Defence, seed: int,
+                  calls: int = 4096) -> dict[str, float]:
+    """The price of the log-prob knobs to users who read log-probs: over ``calls`` seeded calls per ordinary prompt at
+    the users' ``temperature``, the mean |reported - true| log-prob of the sampled token (``report_calls``: noise
+    clipped at 0, rounding) and the share of calls whose log-prob is withheld (``min_logprob``)."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_PRICE_KEY,)))
+    errors, withheld = [], []
+    for y in log_probs_T1:
+        log_p = log_softmax(np.asarray(y, dtype=np.float64) / temperature)
+        drawn = log_p[rng.choice(log_p.size, calls, p=np.exp(log_p))]
+        noise = defence.noise_sigma * rng.standard_normal(calls) if defence.noise_sigma else None
+        v = report_calls(drawn, defence, noise)
+        errors.append(np.abs(v - drawn)[~np.isnan(v)].mean() if (~np.isnan(v)).any() else np.nan)
+        withheld.append(np.isnan(v).mean())
+    return {"logprob_error": float(np.nanmean(errors)), "withheld": float(np.mean(withheld))}
+
+
+def sampling_prices(log_probs_T1: np.ndarray, temperature: float, knobs: list[tuple[str, object]], seed: int) -> pd.DataFrame:
+    """Per log-prob-side knob setting, its price on ordinary prompts at the users' ``temperature``: KL(q || p) and
+    TV(q, p) of the served distribution (truncation; 0 for the knobs that change only what is reported) and what
+    reaches users who read log-probs (``logprob_price``; 0 for truncation, whose reported values are untruncated)."""
     rows = []
     for knob, value in knobs:
         if knob not in LOGPROB_KNOBS:
             continue
         defence = Defence(**{knob: value})
         prices = [sampling_price(y, temperature, defence) for y in log_probs_T1] if defence.truncates else [{"kl": 0.0, "tv": 0.0}]
+        reported = ({"logprob_error": 0.0, "withheld": 0.0} if defence.truncates
+                    else logprob_price(log_probs_T1, temperature, defence, seed))
         rows.append({"knob": knob, "setting": label(value), "kl": float(np.mean([p["kl"] for p in prices])),
-                     "tv": float(np.mean([p["tv"] for p in prices]))})
+                     "tv": float(np.mean([p["tv"] for p in prices]))} | reported)
     return pd.DataFrame(rows)
 
 
-def adaptive_cell(row) -> str:
+def price_text(price: pd.Series) -> str:
+    """A log-prob-side setting's price as the tables show it (``sampling_prices``' row)."""
+    if price.kl > 0:
+        return (f"KL {price.kl:.3g} nats, TV {price.tv:.3g}; requests with a logit bias, penalties, JSON mode or tools "
+                "refused")
+    parts = [f"log-probs off by {price.logprob_error:.2g} nats on average"] if price.logprob_error > 0 else []
+    parts += [f"{100 * price.withheld:.2g} % of log-probs withheld"] if price.withheld > 0 else []
+    return "; ".join(parts) or "none measured"
+
+
+def leaks_d(lower_bound: int, d_true: int, g: int) -> bool:
+    """Whether a lower bound still gives d away: hidden sizes are multiples of g (Alg. 2's snap), so an attacker
+    takes the first multiple of g at or above the bound, which is d when the bound lies within g below it."""
+    return d_true - g < lower_bound <= d_true and d_true % g == 0
+
+
+def bound_cell(lower_bound, d_true: int, g: int) -> str:
+    """A "not saturated" outcome with its lower bound, marked "leaks d" where ``leaks_d``."""
+    lb = int(lower_bound or 0)
+    if leaks_d(lb, d_true, g):
+        return f"leaks d: not saturated (d >= {lb}; the next multiple of {g} is d)"
+    return f"not saturated (d >= {lb})"
+
+
+def adaptive_cell(row, d_true: int, g: int) -> str:
     """An ``adaptive_phase1`` row as the results table shows it."""
     if row.stop == "stable":
         return f"{row.outcome} ({int(row.d_hat_raw)}) at N = {int(row.N):,}, {row.tokens:.2g} tokens"
-    bound = f" (d >= {int(row.lower_bound)})" if pd.notna(row.lower_bound) else ""
-    return f"{row.outcome}{bound}"
+    past = "; its next round is past the stored draws" if row.stop == "stored draws" else ""
+    if pd.isna(row.lower_bound):
+        return f"{row.outcome}{past}"
+    lb = int(row.lower_bound)
+    return ("leaks d: " if leaks_d(lb, d_true, g) else "") + f"{row.outcome} (d >= {lb}{past})"
 
 
-def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, adaptive: pd.DataFrame, estimator: str) -> pd.DataFrame:
+def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, adaptive: pd.DataFrame, estimator: str,
+            d_true: int, g: int) -> pd.DataFrame:
     """``outputs/defences/results.csv``: one row per (knob, setting): the phase it targets, the attack's outcome
     without and with its counter-measure (and at 10x), where the adaptive attack stops (phase 1: tokens to
-    exactness, ``adaptive_phase1``), and the provider's cost."""
-    stops_at = {(r.knob, r.setting): adaptive_cell(r) for r in adaptive.itertuples()}
+    exactness, ``adaptive_phase1``), and the provider's cost. A phase-1 lower bound within g of d counts as a leak
+    (``bound_cell``); phase 2 gives L_hat and the P_hat of Eq. 3 that follows from it (the target's own ratios)."""
+    stops_at = {(r.knob, r.setting): adaptive_cell(r, d_true, g) for r in adaptive.itertuples()}
     rows = []
-    for (knob, setting), g in p1.groupby(["knob", "setting"], sort=False, dropna=False):
-        v = g.set_index("variant")
+    for (knob, setting), g1 in p1.groupby(["knob", "setting"], sort=False, dropna=False):
+        v = g1.set_index("variant")
         def cell(variant):
             if variant not in v.index:
                 return ""
             r = v.loc[variant]
             o = r[f"{estimator}_outcome"]
             raw = r[f"{estimator}_d_hat_raw"]
-            return f"{o} ({int(raw)})" if pd.notna(raw) else f"{o} (d >= {int(r[f'{estimator}_lower_bound'] or 0)})"
+            return f"{o} ({int(raw)})" if pd.notna(raw) else bound_cell(r[f"{estimator}_lower_bound"], d_true, g)
         price = prices[(prices.knob == knob) & (prices.setting == setting)]
         rows.append({"knob": knob, "setting": setting, "phase": 1, "without_counter": cell("no_counter") or cell("attack"),
                      "with_counter": cell("attack") if "no_counter" in v.index else "", "at_10x": cell("attack_10x"),
                      "adaptive": stops_at.get((knob, setting), ""), "paper_estimator": v.loc["attack", "paper_outcome"],
-                     "cost": f"KL {price.kl.iloc[0]:.3g} nats, TV {price.tv.iloc[0]:.3g}" if len(price) and price.kl.iloc[0] > 0 else "none (reported values only)"})
-    for (knob, setting), g in p2.groupby(["knob", "setting"], sort=False, dropna=False):
-        v = g.set_index("variant")
+                     "cost": price_text(price.iloc[0]) if len(price) else "none"})
+    for (knob, setting), g2 in p2.groupby(["knob", "setting"], sort=False, dropna=False):
+        v = g2.set_index("variant")
         def cell(variant):
             r = v.loc[variant]
-            # L_err is |L_hat - L| / L; the cell shows the signed error
-            return f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * (r.L_hat / r.L_true - 1):+.0f} %)" if np.isfinite(r.L_hat) \
-                else f"stopped (no fit: {r.note})"
+            # L_err is |L_hat - L| / L; the cell shows the signed errors
+            return (f"{r.outcome} (L_hat {r.L_hat:.1f}, {100 * (r.L_hat / r.L_true - 1):+.0f} %; P_hat {r.P_hat:.3g}, "
+                    f"{100 * (r.P_hat / r.P_true - 1):+.0f} %)") if np.isfinite(r.L_hat) else f"stopped (no fit: {r.note})"
         rows.append({"knob": knob, "setting": setting, "phase": 2, "without_counter": cell("no_counter"),
                      "with_counter": cell("attack"), "at_10x": cell("attack_10x"), "adaptive": "", "paper_estimator": "",
                      "cost": f"{v.loc['no_counter', 'added_ms']:,.0f} ms per request"})
@@ -383,7 +452,7 @@ def stops(row: pd.Series, column: str) -> bool | None:
     text = row[column]
     if not text:
         return None
-    return not (text.startswith("exact") or text.startswith("works"))
+    return not text.startswith(("exact", "works", "leaks"))
 
 
 def weakest(table: pd.DataFrame) -> pd.DataFrame:

@@ -23,6 +23,7 @@ from nv.phase1.adaptive import schedule
 from nv.theory.sample_complexity import guaranteed_common_size
 
 EFFECTIVE_VOCABS = (1024, 4096, 16384, 65536)  # |V'| of the dry run's Theorem 1 lines
+CHECKED_REACH = 30  # the planner's predictions were checked up to this multiple of the pilot's N (README, planner)
 PLAN_SIZES = (512, 1024, 2048, 4096, 8192)  # common-set sizes the pilot's plan lines are for (typical hidden sizes)
 # live.* keys that shape requests (bound to the journal); the rest is politeness or planning only
 REQUEST_KEYS = ("chat", "n_per_request", "top_logprobs", "extra_body", "columns")
@@ -98,6 +99,14 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
             raise NVError(f"the pilot in {pilot} was drawn with live.top_logprobs = {drawn_by['top_logprobs']}: its counts are "
                           "top-k reveals, not draws; the planner needs a pilot drawn with live.top_logprobs: 0")
         source = pilot_source(drawn_by, params["live"], target)
+        from nv.phase1.planner import MIN_CHECKED, draws_over_expected
+
+        checked = draws_over_expected(drawn)[1]
+        if checked < MIN_CHECKED:  # an undersized pilot planned N beyond 1e8 and a disk 1000x too small (a review)
+            raise NVError(f"the pilot in {pilot} ({drawn.D:,} prompts x {drawn.N:,} calls) is too small to plan from: "
+                          f"{checked} of its entries are drawn often enough (N_0 p >= 30) to check that its log-probs "
+                          f"are its draws' probabilities ({MIN_CHECKED} needed); draw a few hundred prompts x 10^4 calls "
+                          "(README: Planning a budget)")
     adaptive = sampling["N"] == "auto"
     rounds = schedule(sampling["N0"], sampling["N_max"], sampling["growth"]) if adaptive else [sampling["N"]]
     N = rounds[-1]  # adaptive: the worst case (N_max); the first round is what a budget must afford
@@ -110,7 +119,6 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
         "search_calls": search["rounds"] * search["batch_size"],
         "prompt_tokens_per_call": params["live"]["prompt_tokens"],
         "prompt_tokens_from": "estimate: live.prompt_tokens" if drawn is None else "measured by the pilot",
-        "theorem1_common_set": {V: guaranteed_common_size(N, search["D"], V) for V in EFFECTIVE_VOCABS},
     }
     if timing is not None:
         from nv.phase2.live import timing_cost
@@ -122,6 +130,8 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
     affordable = sum(budget.passed(*_with_phase2(r, out.get("phase2"))) is None for r in out["rounds"])
     sized = rounds[:affordable] if adaptive and 0 < affordable < len(rounds) else rounds
     out["sized_N"] = sized[-1]
+    # at the N the run can reach: N_max's was printed under a cap that stops the run rounds before it (a review)
+    out["theorem1_common_set"] = {V: guaranteed_common_size(out["sized_N"], search["D"], V) for V in EFFECTIVE_VOCABS}
     out["journal_bytes"] = {k: v * out["rounds"][len(sized) - 1]["requests"] for k, v in JOURNAL_BYTES.items()}
     if drawn is not None:
         from nv.phase1.planner import disk_bytes, fit
@@ -203,7 +213,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
     calibration = None if timing is None else timing["calibration"]
     placed = "phase 1's d_hat" if timing is None or not timing["d_hat"] else f"d_hat = {timing['d_hat']}"
     s, smp, live = params["search"], params["sampling"], params["live"]
-    money = "" if p["money"] is None else f"\n  money             {p['money']:.6g} (billed tokens x price)"
+    money = "" if p["money"] is None else (f"\n  money             {_money(p['money'])} (billed tokens x --price-per-mtok, in "
+                                           "its currency)")
     adaptive = _format_rounds(p["rounds"], budget, p.get("phase2")) if p["adaptive"] else ""
     return (
         f"plan for phase 1 against {model} at {split_credentials(base_url)[0]} (nothing billed; --out is checked when "
@@ -220,8 +231,8 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
         f"  journal           ~{_size(p['journal_bytes']['disk'])} on disk, ~{_size(p['journal_bytes']['memory'])} of memory "
         "while the attack runs (an index of every paid reply; the figures of one-sample replies: README, Live endpoint)"
         + _capped(p) + "\n"
-        "  theory (Thm. 1)   |C| >= d with 95 % probability if next tokens were uniform over |V'| tokens: "
-        + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
+        f"  theory (Thm. 1)   at N = {p['sized_N']:,}, |C| >= d with 95 % probability if next tokens were uniform over "
+        "|V'| tokens: " + ", ".join(f"|V'| = {V:,}: d = {d:,}" for V, d in p["theorem1_common_set"].items())
         + _format_pilot(p, money_given=p["money"] is not None)
         + "".join(f"\n  disk free         ~{_size(v['free'])} at {v['path']}, for the "
                   + " and the ".join(f"{what} (~{_size(size)})" for what, size in v["writes"].items())
@@ -230,7 +241,7 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
                   for v in p.get("disk_free", []))
         + ("" if not p.get("paid") else
            f"\n  already paid      {p['paid']['requests']:,} requests, {p['paid']['tokens_billed']:,} billed tokens"
-           + ("" if p["paid"]["money"] is None else f", money {p['paid']['money']:.6g}")
+           + ("" if p["paid"]["money"] is None else f", money {_money(p['paid']['money'])}")
            + f" in {p['paid']['journal']}: a run reuses those its plan asks for and pays only the rest; the caps count "
            "every paid reply" + _paid_over(p["paid"], budget))
         + ("" if calibration is None else
@@ -238,11 +249,36 @@ def format_plan(p: dict, params: dict, model: str, base_url: str, budget: Budget
            f"{calibration['trials']} trials at each of {calibration['n_lengths'] + 1} lengths (App. D, r = {calibration['r']:g}: "
            f"placed from {placed}), one output token each: {p['phase2']['requests']:,} requests, "
            f"{'at most ' if p['phase2']['bound'] else ''}{p['phase2']['tokens_billed']:,} billed tokens"
-           + ("" if p["phase2"]["money"] is None else f", money {p['phase2']['money']:.6g}")
+           + ("" if p["phase2"]["money"] is None else f", money {_money(p['phase2']['money'])}")
            + " (not in the totals above; the budget check adds them to phase 1's" + (", its first round's" if p["adaptive"] else "")
            + f", with {p['phase2']['tokens_held'] - p['phase2']['tokens_billed']:,} tokens more its last call reserves "
-           "beyond its bill)")
+           "beyond its bill)\n"
+           + _format_k(timing) +
+           f"\n  both phases       {p['requests'] + p['phase2']['requests']:,} requests, "
+           f"{p['tokens_billed'] + p['phase2']['tokens_billed']:,} billed tokens"
+           + ("" if p["money"] is None else f", money {_money(p['money'] + p['phase2']['money'])}")
+           + (" (N_max's phase 1)" if p["adaptive"] else ""))
     )
+
+
+def _money(x: float) -> str:
+    """An amount of money as the plan prints it: cents from 0.01 up, three significant digits below."""
+    return f"{x:,.2f}" if x >= 0.01 else f"{x:.3g}"
+
+
+def _format_k(timing: dict) -> str:
+    """The plan's line on Eq. 8's platform transfer factor k, with the caveat where it is the default."""
+    k, platform = timing["k"], timing["calibration"]["platform"]
+    if timing.get("k_given"):
+        return f"                    k = {k:g} (--timing-k): L_hat's and P_hat's intervals assume it exact"
+    return k_note(platform)
+
+
+def k_note(platform: str) -> str:
+    """Said in the plan and when phase 2 starts, where --timing-k is left at 1."""
+    return (f"  NOTE: k = 1 (--timing-k not given): phase 2's calibration was timed on platform {platform!r}; L_hat, "
+            "P_hat and their 90 % intervals assume this endpoint prefills at that platform's speed (a server rarely "
+            "does: README, Live endpoint)")
 
 
 def _format_rounds(rounds: list[dict], budget: Budget, phase2: dict | None) -> str:
@@ -252,8 +288,8 @@ def _format_rounds(rounds: list[dict], budget: Budget, phase2: dict | None) -> s
              "larger); cumulative cost by round while unsaturated:"]
     stopped = False
     for r in rounds:
-        line = (f"                    N = {r['N']:>11,}: {r['requests']:.3g} requests, {r['tokens_paper']:.3g} tokens (§5), "
-                f"{r['tokens_billed']:.3g} billed" + ("" if r["money"] is None else f", money {r['money']:.4g}"))
+        line = (f"                    N = {r['N']:>11,}: {r['requests']:,} requests, {r['tokens_paper']:,} tokens (§5), "
+                f"{r['tokens_billed']:,} billed" + ("" if r["money"] is None else f", money {_money(r['money'])}"))
         over = budget.passed(*_with_phase2(r, phase2))
         if over and not stopped:
             line += f"  <- past --budget-{over[0]} {over[1]:,.6g}: the run stops before this round"
@@ -292,10 +328,14 @@ def _format_pilot(p: dict, money_given: bool) -> str:
         lines.append(f"                    NOTE: the pilot was drawn from {pilot['elsewhere']}, which may not be this plan's "
                      "target: its prompt tokens per call and its tail are that target's")
     for size, c in pilot["common_set"].items():
-        cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:.3g} tokens (§5), "
-                                                    f"{c['requests']:.3g} requests" + (f", money {c['money']:.4g}" if money_given else "")
+        cost = "beyond N = 1e8" if c is None else (f"N = {c['N']:,}, {c['tokens_paper']:,} tokens (§5), "
+                                                    f"{c['requests']:,} requests" + (f", money {_money(c['money'])}" if money_given else "")
                                                     + f", the sample ~{_size(c['disk'])} on disk")
         lines.append(f"                    |C| = {size:,}: {cost}")
+    far = max((c["N"] for c in pilot["common_set"].values() if c), default=0) / pilot["N0"]
+    if far > CHECKED_REACH:
+        lines.append(f"                    NOTE: these reach {far:,.0f}x the pilot's N; the fit was checked up to "
+                     f"{CHECKED_REACH}x (README, planner): a larger pilot plans farther with less risk")
     lines.append("                    (the robust estimator needs |C| > d, and more on a noisy spectrum: README, planner)")
     disk = pilot["disk"]
     lines.append(f"  disk (pilot)      the sample at N = {p['sized_N']:,}{_capped(p)}: ~{_size(disk['sample'])}"

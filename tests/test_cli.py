@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import write_tiny_params
-from nv.errors import run_main
+from nv.errors import NVError, run_main
 from nv.phase1.planner import disk_bytes, fit
 from nv.phase1.sampling import load_samples
 
@@ -191,15 +192,23 @@ def test_attack_errors_are_one_line_without_traceback(root, tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().startswith("error:") and message in proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists()  # the refused timing defence left no empty --out behind (a review, 2026-12-07)
     elsewhere = tmp_path / "elsewhere"  # outside the project: no params.yaml
     elsewhere.mkdir()
-    for command in (["attack", "--simulate", "embedded"], ["defend", "--upstream", "http://127.0.0.1:9", "--port", "9"]):
-        proc = subprocess.run(NV + command, capture_output=True, text=True, timeout=300, cwd=elsewhere)
-        assert proc.returncode == 2 and proc.stderr == ("error: no params.yaml in the current folder: run from the project "
-                                                        "root or give --params PATH\n"), proc.stderr
+    proc = subprocess.run(NV + ["attack", "--simulate", "embedded"], capture_output=True, text=True, timeout=300, cwd=elsewhere)
+    assert proc.returncode == 2 and proc.stderr == ("error: no params.yaml in the current folder: run from the project "
+                                                    "root or give --params PATH\n"), proc.stderr
+    # nv defend needs none: its knobs can all come from --defence (it refused to start before); here it gets as far
+    # as the upstream's check
+    proc = subprocess.run(NV + ["defend", "--upstream", "ftp://x", "--port", "9", "--defence", "round_decimals=1"],
+                          capture_output=True, text=True, timeout=300, cwd=elsewhere)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --upstream must be an http(s) URL"), proc.stderr
     proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "inf"],
                           capture_output=True, text=True, timeout=300)  # argparse's own usage line, then the reason
     assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a whole number >= 0, got inf") and "Traceback" not in proc.stderr
+    proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-money", "1e999",
+                                "--price-per-mtok", "1"], capture_output=True, text=True, timeout=300)  # was an infinite cap
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("must be a finite number >= 0, got 1e999"), proc.stderr
     proc = subprocess.run(NV + ["attack", "--base-url", "http://127.0.0.1:9/v1", "--model", "x", "--budget-tokens", "abc"],
                           capture_output=True, text=True, timeout=300)  # not "invalid _count value"
     assert proc.returncode == 2 and proc.stderr.strip().endswith("--budget-tokens: must be a number, got 'abc'"), proc.stderr
@@ -299,7 +308,7 @@ def test_a_reader_that_leaves_ends_the_output_quietly(root):
 
 SLOW_TEARDOWN = """
 import signal, sys, time
-from nv.errors import run_main
+from nv.errors import NVError, run_main
 
 class Slow:
     def __del__(self):  # as a progress bar's finalizer, freed with the interrupted frame
@@ -333,3 +342,53 @@ def test_a_second_ctrl_c_while_the_interrupted_work_is_freed_ends_the_process_wi
     assert err == "interrupted: finished work is checkpointed; rerun the same command to resume\n"
     once = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, **default)
     assert once.stdout.splitlines() == ["finalizing", "returned 130 True"] and "Traceback" not in once.stderr
+
+
+def test_a_pilot_too_small_to_check_is_refused_and_the_plan_adds_both_phases(root, tmp_path):
+    """An auditor's review (2026-12-07): a pilot of 12 prompts x 100 calls planned "beyond N = 1e8" for every |C| and a
+    sample of ~1 MiB at N = 10^6 (the README's own figures put it in GB), its raw log-probs never checked, since
+    under 20 of its entries are drawn often enough to check them. Such a pilot is refused in one line. The plan's
+    Theorem 1 line is at the N a cap lets the run reach, phase 2's cost is added to phase 1's in one line, and k = 1
+    left at its default is said."""
+    from nv.live import plan, format_plan
+    from nv.oracle.http import Budget
+    from nv.params import load_params
+    from nv.phase1.planner import MIN_CHECKED, draws_over_expected
+    from nv.phase1.sampling import collect
+    from nv.phase2.calibration import load_calibration
+    from synthetic import LowRankOracle
+
+    params = load_params(write_tiny_params(root, tmp_path), ["seed", "search", "sampling", "live", "planner"])
+    tau = params["sampling"]["temperature"]
+    folder = collect(LowRankOracle(rank=8, vocab=4000), [f"p{q}" for q in range(12)], 100, tau, 0, tmp_path / "pilot",
+                     4000, tmp_path / "ck", {"toy": 1}, progress=False)
+    assert draws_over_expected(load_samples(folder))[1] < MIN_CHECKED
+    with pytest.raises(NVError, match=r"^the pilot in .* \(12 prompts x 100 calls\) is too small to plan from: \d+ of its "
+                                      r"entries .* \(20 needed\); draw a few hundred prompts x 10\^4 calls"):
+        plan(params, Budget(None, None, None, None), folder)
+    timing = {"calibration": load_calibration(root / "outputs" / "timing_fit" / "calibration.json"), "k": 1.0,
+              "vocab_size": None, "p_max": 8192, "d_hat": 576, "k_given": False}
+    budget = Budget(None, None, None, 0.2)
+    p = plan(params | {"sampling": {**params["sampling"], "N": "auto", "N0": 1000, "N_max": 64_000, "growth": 2.0}},
+             Budget(None, 5_000_000, None, 0.2), None, None, timing)
+    assert p["sized_N"] < 64_000 and f"at N = {p['sized_N']:,}, |C| >= d" in format_plan(p, params, "m", "http://x/v1", budget, timing)
+    text = format_plan(p, params, "m", "http://x/v1", budget, timing)
+    both = p["requests"] + p["phase2"]["requests"]
+    assert f"  both phases       {both:,} requests, {p['tokens_billed'] + p['phase2']['tokens_billed']:,} billed tokens" in text
+    assert "NOTE: k = 1 (--timing-k not given): phase 2's calibration was timed on platform 'inprocess'" in text
+    assert "e+" not in text  # thousands separators, not 1.22e+03 requests
+    assert "k = 2 (--timing-k)" in format_plan(p, params, "m", "http://x/v1", budget, timing | {"k": 2.0, "k_given": True})
+
+
+def test_the_outcome_in_words_names_the_common_set_and_what_to_do():
+    from nv.cli import headline, summary
+
+    record = {"model": "m", "estimator": "robust", "saturated": False, "d_hat_raw": None, "d_hat": None, "lower_bound": 0,
+              "tokens": 50_775, "calls": 1_216, "D": 12, "D_prime": 1, "common_set_size": 68, "N": 100}
+    assert headline(record).startswith("phase 1: not saturated, d >= 0; common set 1 x 68 (prompts x tokens) of D = 12 "
+                                       "at N = 100 calls a prompt (more calls grow the common set")
+    done = record | {"saturated": True, "d_hat_raw": 575, "d_hat": 576, "lower_bound": None, "D_prime": 2_900,
+                     "common_set_size": 3_894, "d_interval": [572, 578]}
+    assert headline(done) == ("phase 1: d_hat = 576 (raw 575, 90 % interval [572, 578]); common set 2,900 x 3,894 "
+                              "(prompts x tokens) of D = 12")
+    assert summary(done)["common_set"] == [2_900, 3_894] and summary(done)["d_interval"] == [572, 578]

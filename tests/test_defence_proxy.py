@@ -43,6 +43,13 @@ def upstream_app(seen: list) -> web.Application:
             return web.Response(text="<html>oops</html>", content_type="text/html")
         if path.endswith("/list/completions"):
             return web.json_response([1, 2])
+        if path.endswith("/crash/completions"):  # llama-cpp-python's 500 for a bad field: a traceback with its paths
+            return web.Response(text='{"error": {"message": "Traceback: File \\"/srv/venv/llama_cpp/server/app.py\\""}}',
+                                status=500, content_type="application/json", headers={"Server": "uvicorn"})
+        if path.endswith("/long/completions"):
+            return web.json_response({"error": {"message": "the prompt is too long", "type": "invalid_request_error",
+                                                "param": "prompt", "code": "context_length_exceeded", "trace": "/srv"}},
+                                     status=400)
         if path.endswith("/busy/completions"):
             return web.json_response({"error": "slow down"}, status=429, headers={"Retry-After": "7", "Server-Timing": "q;dur=3"})
         if path.endswith("/slow/completions"):
@@ -56,7 +63,7 @@ def upstream_app(seen: list) -> web.Application:
             reply["timings"] = {"prompt_ms": 43.2, "prompt_per_token_ms": 0.64}
             reply["choices"][0]["logprobs"]["content"][0] |= {"prob": 0.2158, "top_probs": [{"token": "a", "prob": 0.2158}]}
             return web.json_response(reply, headers={"openai-processing-ms": "43", "Server-Timing": "prefill;dur=43.2",
-                                                     "x-ratelimit-remaining-requests": "99"})
+                                                     "x-ratelimit-remaining-requests": "99", "Server": "uvicorn"})
         return web.json_response(json.loads(json.dumps(CHAT if "chat" in path else TEXT)))
 
     app = web.Application()
@@ -180,7 +187,7 @@ def test_fields_and_headers_that_would_undo_the_defence_are_refused_or_dropped()
     entry = reply["choices"][0]["logprobs"]["content"][0]
     assert status == 200 and "timings" not in reply and set(entry) == {"token", "logprob", "top_logprobs"}
     assert "openai-processing-ms" not in headers and "Server-Timing" not in headers
-    assert headers["x-ratelimit-remaining-requests"] == "99"
+    assert headers["x-ratelimit-remaining-requests"] == "99" and "uvicorn" not in headers.get("Server", "")
     assert [s["path"] for s in seen] == ["/v1/leaky/chat/completions"] and seen[0]["json"]["top_k"] == 5
 
 
@@ -250,7 +257,7 @@ def test_truncation_closes_the_ways_around_it():
     top = defend_reply(json.loads(json.dumps(odd)), Defence(top_k=1), np.random.default_rng(0))
     assert [t["id"] for t in top["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 3]
     plain = defend_reply(json.loads(json.dumps(odd)), Defence(round_decimals=1), np.random.default_rng(0))
-    assert [t["id"] for t in plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 2, 3, 4]
+    assert [t["id"] for t in plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [1, 3]  # no null entries
     joined = defend_reply({"choices": [{"logprobs": {"tokens": "ab", "token_logprobs": [-0.1, -0.2],
                                                      "top_logprobs": [{"a": -0.1}, {"b": -0.2}]}}]}, Defence(), np.random.default_rng(0))
     assert joined["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}, {"b": -0.2}]  # tokens as one string: as before
@@ -295,7 +302,7 @@ def test_log_probs_of_a_shape_not_known_are_dropped_not_passed():
     assert odd["choices"][0]["logprobs"] is None
     odd = defend_reply({"prompt_logprobs": [None, {"17": -3.14159265}, 2.5], "choices": [{"prompt_logprobs": {"17": -3.1}}]},
                        defence, rng)
-    assert odd["prompt_logprobs"] == [None, {"17": None}, None] and odd["choices"][0]["prompt_logprobs"] is None
+    assert odd["prompt_logprobs"] == [None, {}, None] and odd["choices"][0]["prompt_logprobs"] is None
     chat = json.loads(json.dumps(CHAT))
     chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"] = {"a": RAW}
     entry = defend_reply(chat, defence, rng)["choices"][0]["logprobs"]["content"][0]
@@ -415,6 +422,51 @@ def test_unreachable_upstream_is_a_502_without_credentials():
 
     status, body = asyncio.run(main())
     assert status == 502 and "unreachable" in body["error"]["message"] and "s3cret" not in json.dumps(body)
+    assert "127.0.0.1" not in json.dumps(body)  # the upstream's address is the proxy's log's, not the client's
+
+
+def test_errors_have_a_providers_shape_and_carry_nothing_of_the_upstream(capsys):
+    """A review (2026-12-07) found the upstream's traceback (its install paths) in a 500, the upstream's address in
+    the proxy's own 502 and 504, its Server header, an error shape without OpenAI's type, param and code, and a 403 or
+    400 for a completion route called with another method. Each request is one line of the proxy's log."""
+    replies, seen = exchange(Defence(round_decimals=1), [("POST", "/v1/crash/completions", {"prompt": "x"}),
+                                                         ("POST", "/v1/long/completions", {"prompt": "x"}),
+                                                         ("GET", "/v1/chat/completions", None),
+                                                         ("DELETE", "/v1/completions", None),
+                                                         ("POST", "/v1/completions", {"prompt": "x", "stream": True})])
+    (crash, long, get, delete, stream) = replies
+    assert crash[0] == 500 and crash[2] == {"error": {"message": "nv defend: the upstream failed (HTTP 500)",
+                                                      "type": "server_error", "param": None, "code": None}}
+    assert "uvicorn" not in crash[1].get("Server", "")
+    assert long[0] == 400 and long[2] == {"error": {"message": "the prompt is too long", "type": "invalid_request_error",
+                                                    "param": "prompt", "code": "context_length_exceeded"}}
+    for status, headers, body in (get, delete):
+        assert status == 405 and headers["Allow"] == "POST" and "takes POST" in body["error"]["message"]
+    assert set(stream[2]["error"]) == {"message", "type", "param", "code"} and stream[2]["error"]["type"] == "invalid_request_error"
+    assert [s["path"] for s in seen] == ["/v1/crash/completions", "/v1/long/completions"]
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nv defend: ")]
+    assert len(log) == 5 and log[0].startswith("nv defend: 500 POST /v1/crash/completions") and "app.py" in log[0]
+    assert log[2].startswith("nv defend: 405 GET /v1/chat/completions") and "streamed replies" in log[4]
+
+
+def test_a_reported_log_prob_is_a_possible_one_and_a_withheld_one_names_nothing():
+    """Behind noise a log-prob came back above 0 (a probability of 2.04) and one under min_logprob came back, the
+    threshold having seen the value before the noise; a top list kept a withheld token with a null, naming it and
+    its rank (a review, 2026-12-07). Each value is now clipped at 0 and thresholded as reported; a withheld top entry
+    is left out, the sampled token's own log-prob null."""
+    defence = Defence(noise_sigma=0.5, min_logprob=-2.0)
+    rng = np.random.default_rng(1)
+    sampled, tops = [], []
+    for _ in range(400):
+        reply = {"choices": [{"logprobs": {"content": [{"token": "a", "logprob": -1.95, "top_logprobs": [
+            {"token": "a", "logprob": -1.95}, {"token": "b", "logprob": -0.05}, {"token": "c", "logprob": -6.0}]}]}}]}
+        entry = defend_reply(reply, defence, rng)["choices"][0]["logprobs"]["content"][0]
+        sampled.append(entry["logprob"])
+        tops.append({t["token"]: t["logprob"] for t in entry["top_logprobs"]})
+    shown = [v for v in sampled if v is not None]
+    assert 100 < len(shown) < 300 and min(shown) >= -2.0  # -1.95 + N(0, 0.25) falls below -2 in 46 % of replies
+    assert all(v is not None for top in tops for v in top.values()) and not any("c" in top for top in tops)
+    assert max(top["b"] for top in tops) == 0.0 and all(("a" in top) == (s is not None) for top, s in zip(tops, sampled))
 
 
 def test_the_attacks_free_check_names_a_failing_upstream():
@@ -427,7 +479,7 @@ def test_the_attacks_free_check_names_a_failing_upstream():
             with HTTPOracle(url, "m") as oracle:
                 await asyncio.to_thread(oracle.preflight)
 
-    with pytest.raises(NVError, match=r"/v1/models failed: HTTP 502 nv defend: upstream http://127\.0\.0\.1:\d+ unreachable") as err:
+    with pytest.raises(NVError, match=r"/v1/models failed: HTTP 502 nv defend: the upstream is unreachable") as err:
         asyncio.run(main())
     assert "ending in /v1" not in str(err.value) and "\n" not in str(err.value)
 

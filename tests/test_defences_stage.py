@@ -14,10 +14,14 @@ import yaml
 from nv.defences import (
     _latency_curve,
     adaptive_phase1,
+    bound_cell,
+    clipped_noise_mean,
     defend_record,
     defended_common,
     dither_tokens,
     fastest,
+    leaks_d,
+    logprob_price,
     results,
     settings,
     short_rows,
@@ -200,15 +204,16 @@ def test_phase1_sweep_on_a_toy_lm_of_known_rank(tmp_path):
                           T1).set_index(["knob", "setting"]).loc[("top_k", "8")]
     assert off.stop == "stored draws" and off.N == 12_000 and off.outcome == "no stop by N = 12,000"
     assert off.calls == S.D * 12_000 and off.lower_bound <= 8
-    prices = pd.DataFrame([{"knob": "top_k", "setting": "8", "kl": 0.1, "tv": 0.05}] +
-                          [{"knob": "noise_sigma", "setting": s, "kl": 0.0, "tv": 0.0} for s in ("2.0", "3.0")])
-    table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, adaptive, "robust")
+    prices = pd.DataFrame([{"knob": "top_k", "setting": "8", "kl": 0.1, "tv": 0.05, "logprob_error": 0.0, "withheld": 0.0}] +
+                          [{"knob": "noise_sigma", "setting": s, "kl": 0.0, "tv": 0.0, "logprob_error": 0.8 * float(s),
+                            "withheld": 0.0} for s in ("2.0", "3.0")])
+    table = results(p1, pd.DataFrame(columns=["knob", "setting", "variant"]), prices, adaptive, "robust", 12, 64)
     assert list(table.columns) == ["knob", "setting", "phase", "without_counter", "with_counter", "at_10x", "adaptive",
                                    "paper_estimator", "cost"]
     assert table.set_index("knob").loc["none", "adaptive"] == f"exact (12) at N = {int(none.N):,}, {none.tokens:.2g} tokens"
     stop = weakest(table).set_index("knob")
     assert stop.loc["top_k", "default budget"].startswith("8 (KL 0.1")
-    assert stop.loc["noise_sigma", "default budget"].startswith("3.0 (none")
+    assert stop.loc["noise_sigma", "default budget"] == "3.0 (log-probs off by 2.4 nats on average)"
     assert stop.loc["noise_sigma", "10x budget"] == "none of the swept settings"
 
 
@@ -234,6 +239,54 @@ def test_a_setting_stops_the_attack_only_where_every_statistic_misses():
     assert stop.loc["delay_uniform_ms", "10x budget"] == "none of the swept settings"
     assert stop.loc["pad_to_tokens", "default budget"] == "4096 (1,270 ms)"
     assert stop.loc["pad_to_tokens", "10x budget"] == "4096 (1,270 ms)"
+
+
+def test_a_lower_bound_within_g_of_d_leaks_d():
+    """Hidden sizes are multiples of g = 64: an attacker holding d >= 566 takes 576, so a defence that leaves that
+    bound has not hidden d. bf16 rounding (566) and noise 0.3 at 10x the calls (527) counted as stops before (a
+    review, 2026-12-07); a bound of 512 or less leaves 576 unknown."""
+    assert [leaks_d(b, 576, 64) for b in (513, 566, 576, 512, 482, 577)] == [True, True, True, False, False, False]
+    assert not leaks_d(570, 570, 64)  # a d off the grid: no multiple of g to read
+    assert bound_cell(566, 576, 64) == "leaks d: not saturated (d >= 566; the next multiple of 64 is d)"
+    assert bound_cell(482, 576, 64) == "not saturated (d >= 482)"
+
+    def row(knob, setting, plain, ten):
+        return {"knob": knob, "setting": setting, "phase": 1, "without_counter": plain, "with_counter": "",
+                "at_10x": ten, "adaptive": "", "paper_estimator": "", "cost": "c"}
+    table = pd.DataFrame([row("none", "", "exact (576)", ""),
+                          row("round_format", "bf16", bound_cell(566, 576, 64), ""),
+                          row("round_format", "fp8_e4m3", bound_cell(177, 576, 64), ""),
+                          row("noise_sigma", "0.3", bound_cell(368, 576, 64), bound_cell(527, 576, 64))])
+    stop = weakest(table).set_index("knob")
+    assert stop.loc["round_format", "default budget"] == "fp8_e4m3 (c)"
+    assert stop.loc["noise_sigma", "default budget"] == "0.3 (c)"
+    assert stop.loc["noise_sigma", "10x budget"] == "none of the swept settings"
+
+
+def test_clipped_noise_mean_is_the_mean_of_clipped_calls():
+    """The sweep's noise is the served one, clipped at 0 per call: one call exactly, the mean of c calls by its normal
+    limit, whose mean and spread match c clipped calls drawn one by one, near 0 where the clip binds and far below."""
+    rng = np.random.default_rng(7)
+    sigma, c = 0.3, 400
+    for y in (-0.05, -0.3, -4.0):
+        calls = np.minimum(y + sigma * rng.standard_normal((4_000, c)), 0.0).mean(axis=1)
+        limit = clipped_noise_mean(np.full(4_000, y), sigma, np.full(4_000, c), rng)
+        assert limit.mean() == pytest.approx(calls.mean(), abs=2e-3) and limit.std() == pytest.approx(calls.std(), rel=0.06)
+    one = clipped_noise_mean(np.full(10_000, -0.05), sigma, np.ones(10_000), rng)
+    assert one.max() == 0.0 and 0.41 < (one == 0.0).mean() < 0.46  # P(-0.05 + 0.3 Z > 0) = 0.434
+
+
+def test_the_log_prob_price_is_what_users_reading_log_probs_get():
+    """Rounding to k decimals moves a value by at most half a step (a uniform error averages a quarter step), noise
+    by sigma sqrt(2 / pi) on average far from 0, and the threshold withholds the calls of the tokens under it: on a
+    distribution of known shape, the price is those numbers (it was "none" for every reported-value knob)."""
+    y = np.log(np.array([0.5, 0.3, 0.15, 0.05]))[None, :]
+    assert logprob_price(y, 1.0, Defence(min_logprob=-2.5), 0)["withheld"] == pytest.approx(0.05, abs=0.01)
+    assert logprob_price(y, 1.0, Defence(min_logprob=-2.5), 0)["logprob_error"] == 0.0
+    wide = np.log(np.full((3, 4000), 1 / 4000)) + np.random.default_rng(0).uniform(-1, 1, (3, 4000))
+    assert logprob_price(wide, 1.0, Defence(round_decimals=1), 0, calls=20_000)["logprob_error"] == pytest.approx(0.025, rel=0.05)
+    noisy = logprob_price(wide, 1.0, Defence(noise_sigma=0.3), 0, calls=20_000)
+    assert noisy["logprob_error"] == pytest.approx(0.3 * np.sqrt(2 / np.pi), rel=0.03) and noisy["withheld"] == 0
 
 
 def _record(name: str, role: str, d: int, L: int, rng: np.random.Generator) -> dict:
@@ -279,10 +332,11 @@ def test_phase2_sweep_on_records_of_a_known_law():
     assert 0 < honest < 1 and by[("latency_quantum_ms", "1000", "no_counter")].added_ms == pytest.approx(1000 * (1 - honest))
     # the table shows the signed error (L_err is its absolute value)
     table = results(pd.DataFrame(columns=["knob", "setting", "variant"]), p2, pd.DataFrame(columns=["knob", "setting", "kl", "tv"]),
-                    pd.DataFrame(columns=["knob", "setting"]), "robust").set_index(["knob", "setting"])
+                    pd.DataFrame(columns=["knob", "setting"]), "robust", 448, 64).set_index(["knob", "setting"])
     attack = by[("latency_quantum_ms", "100", "attack")]
-    assert table.loc[("latency_quantum_ms", "100"), "with_counter"] == \
-        f"works (L_hat {attack.L_hat:.1f}, {100 * (attack.L_hat / 10 - 1):+.0f} %)" and attack.L_hat < 10
+    assert table.loc[("latency_quantum_ms", "100"), "with_counter"] == (
+        f"works (L_hat {attack.L_hat:.1f}, {100 * (attack.L_hat / 10 - 1):+.0f} %; P_hat {attack.P_hat:.3g}, "
+        f"{100 * (attack.P_hat / 1e8 - 1):+.0f} %)") and attack.L_hat < 10
     assert by[("none", "", "attack_10x")].trials == 100  # 10 x the 10 trials per length paid for
 
 
@@ -322,47 +376,50 @@ def test_defended_common_set_is_the_common_set_of_the_defended_draws():
     assert abs(z.mean()) < 0.1 and abs(z.std() - 1) < 0.05
 
 
-def test_the_figure_rings_a_wrong_estimate_and_colours_each_failure_by_its_variant():
-    """A saturated estimate 12 off (4x the tolerance at d = 576) is ringed as wrong, not left near the exact band;
-    each "not saturated" and "no fit" cross in the band has its variant's colour, side by side, so a reader sees
-    which variant failed (a plain red cross hid that the counter-measure recovers L)."""
+def test_the_figure_shows_what_the_attacker_gets_and_which_defence_stops_it():
+    """Phase 1 plots the d the attacker gets: a saturated estimate at its value (12 off, 4x the tolerance at d = 576,
+    ringed as wrong), a "not saturated" one as a triangle at its lower bound in its variant's colour, the band within
+    g below d, where a bound still leaks d, shaded (a review, 2026-12-07: every failure sat in one "no estimate" band,
+    566 beside 177). Phase 2 plots L's signed error (+37 % and -23 % looked alike), no fit a cross in its variant's
+    colour. The verdict table colours each knob green where a swept setting stops its phase, red where none does."""
     from matplotlib.colors import to_hex
 
-    from nv.plots.defences import OFFSET, VARIANTS, outcome_vs_strength
+    from nv.plots.defences import BOUND, OFFSET, VARIANTS, WRONG, outcome_vs_strength
 
     def p1_row(knob, setting, variant, raw, bound):
         return {"knob": knob, "setting": setting, "variant": variant, "robust_d_hat_raw": raw, "robust_lower_bound": bound}
 
     p1 = pd.DataFrame([p1_row("none", "", "no_counter", 576, None), p1_row("none", "", "attack", 576, None),
                        p1_row("noise_sigma", "0.1", "no_counter", None, 400), p1_row("noise_sigma", "0.1", "attack", 588, None),
-                       p1_row("noise_sigma", "1", "no_counter", None, 100), p1_row("noise_sigma", "1", "attack", None, 300)])
-    p2 = pd.DataFrame([{"knob": k, "setting": s, "variant": v, "L_err": e, "L_true": 30}
-                       for k, s, errs in (("none", "", (0.02, 0.03, 0.01)), ("latency_quantum_ms", "100", (np.nan, -0.02, 0.01)))
+                       p1_row("noise_sigma", "1", "no_counter", None, 100), p1_row("noise_sigma", "1", "attack", None, 566)])
+    p2 = pd.DataFrame([{"knob": k, "setting": s, "variant": v, "L_hat": 30 * (1 + e), "L_true": 30}
+                       for k, s, errs in (("none", "", (0.02, 0.03, 0.01)), ("latency_quantum_ms", "100", (np.nan, -0.2, 0.37)))
                        for v, e in zip(VARIANTS, errs)])
-    table = pd.DataFrame([{"knob": "noise_sigma", "setting": "0.1", "phase": 1, "cost": "none (reported values only)"},
-                          {"knob": "noise_sigma", "setting": "1", "phase": 1, "cost": "none (reported values only)"},
+    table = pd.DataFrame([{"knob": "noise_sigma", "setting": "0.1", "phase": 1, "cost": "log-probs off by 0.08 nats on average"},
+                          {"knob": "noise_sigma", "setting": "1", "phase": 1, "cost": "log-probs off by 0.8 nats on average"},
                           {"knob": "latency_quantum_ms", "setting": "100", "phase": 2, "cost": "50 ms per request"}])
-    fig = outcome_vs_strength(p1, p2, table, 576, "robust", 0.25)
-    phase1, phase2 = fig.axes[:2]
-    rings = [line for line in phase1.get_lines() if line.get_marker() == "o" and line.get_markersize() == 15]
-    assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in rings] == [(1, 12)]
-    crosses = sorted((line.get_xdata()[0], to_hex(line.get_color())) for line in phase1.get_lines() if line.get_marker() == "X"
-                     and len(line.get_xdata()))
+    verdicts = pd.DataFrame([{"knob": "noise_sigma", "phase": 1, "default budget": "1 (log-probs off by 0.8 nats on average)",
+                              "10x budget": "none of the swept settings"},
+                             {"knob": "latency_quantum_ms", "phase": 2, "default budget": "none of the swept settings",
+                              "10x budget": "none of the swept settings"}])
+    fig = outcome_vs_strength(p1, p2, table, verdicts, 576, 64, "robust", 0.25)
+    phase1, phase2, verdict = fig.axes[:3]
     colour = {v: to_hex(c) for v, (_, c, _) in VARIANTS.items()}
-    assert crosses == sorted([(1 + OFFSET[0], colour["no_counter"]), (2 + OFFSET[0], colour["no_counter"]),
-                              (2 + OFFSET[1], colour["attack"])])
-    no_fit = [(line.get_xdata()[0], to_hex(line.get_color())) for line in phase2.get_lines() if line.get_marker() == "X"
-              and len(line.get_xdata())]
+    rings = [line for line in phase1.get_lines() if line.get_marker() == WRONG["marker"] and line.get_markersize() == WRONG["ms"]]
+    assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in rings] == [(1 + OFFSET[1], 588)]
+    bounds = sorted((line.get_xdata()[0], line.get_ydata()[0], to_hex(line.get_color())) for line in phase1.get_lines()
+                    if line.get_marker() == BOUND)
+    assert bounds == sorted([(1 + OFFSET[0], 400, colour["no_counter"]), (2 + OFFSET[0], 100, colour["no_counter"]),
+                             (2 + OFFSET[1], 566, colour["attack"])])
+    (leak,) = [patch for patch in phase1.patches if patch.get_label().startswith("a bound here leaks d")]
+    low, high = leak.get_path().get_extents(leak.get_transform() - phase1.transData).intervaly
+    assert 512 < low < 513 and high == pytest.approx(573)  # (d - g, d - tol]: 566 inside, 512 below
+    assert [t.get_text().split("\n")[1] for t in phase1.get_xticklabels()[1:]] == ["±0.08 nats", "±0.8 nats"]
+    signed = sorted((round(line.get_xdata()[0], 2), round(line.get_ydata()[0])) for line in phase2.get_lines()
+                    if line.get_marker() in ("o", "D") and line.get_xdata()[0] > 0.5)
+    assert signed == [(1 + OFFSET[1], -20), (1 + OFFSET[2], 37)]
+    no_fit = [(line.get_xdata()[0], to_hex(line.get_color())) for line in phase2.get_lines() if line.get_marker() == "X"]
     assert no_fit == [(1 + OFFSET[0], colour["no_counter"])]  # only the plain statistic failed at 100 ms
-    assert phase1.get_xlabel().startswith("noise_sigma") and phase2.get_xlabel().startswith("latency_quantum_ms")
-    # phase 1's band is named on the y axis, as in every figure with it; phase 2's label sits over the undefended
-    # setting, where no cross can cover it (one at the right edge hid it)
-    (band,) = [t for t in phase1.get_yticklabels() if t.get_text() == "no estimate"]
-    assert band.get_color() == "red" and not [t for t in phase1.texts if t.get_text() == "no estimate"]
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    for ax, word in ((phase2, "no fit"),):
-        (label,) = [t for t in ax.texts if t.get_text() == word]
-        box = label.get_window_extent(renderer)
-        marks = [line for line in ax.get_lines() if line.get_marker() == "X" and len(line.get_xdata())]
-        assert marks and box.x1 < min(m.get_window_extent(renderer).x0 for m in marks)  # left of every defended setting
+    cells = verdict.tables[0].get_celld()
+    assert cells[(1, 2)].get_text().get_text() == "1  (±0.8 nats)" and to_hex(cells[(1, 2)].get_facecolor()) == "#c8e6c9"
+    assert cells[(2, 2)].get_text().get_text() == "none stops it" and to_hex(cells[(2, 2)].get_facecolor()) == "#f4c7c3"

@@ -1259,7 +1259,8 @@ def nv_defend(server, root, *knobs: str):
     port = free_port()
     argv = [sys.executable, "-m", "nv.cli", "defend", "--upstream", server.base_url.removesuffix("/v1"), "--port", str(port),
             "--params", str(root / "params.yaml")] + [a for knob in knobs for a in ("--defence", knob)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its log (a line per request, on stdout) unread: a pipe nobody reads would fill and stall the proxy
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):

@@ -10,18 +10,19 @@ is still charged by the wrapped backend with the §5 metric. ``sampling_price`` 
 Log-prob side, in the order applied (``y`` is the log-prob the backend reports):
 
 - ``max_temperature``: a request above the cap is served at the cap; ``y`` follows the served temperature.
-- ``min_logprob``: a draw whose ``y`` lies below the threshold comes back without a log-prob. Such a
-  draw tells the attacker nothing for Y_hat, so ``sample`` drops its entry (token, count, log-prob;
-  the calls stay charged and ``Samples.n`` falls below ``n``); ``argmax``, whose one call must return its
-  token, reports NaN.
-- ``noise_sigma``: each call's log-prob gets fresh Gaussian noise; then ``round_format`` (fp16, bf16 or
-  fp8_e4m3, round to nearest even, single rounding from float64; fp8_e4m3 saturates at +-448 like
-  torch's float8_e4m3fn) and ``round_decimals`` (k decimals) round each call's value. ``Samples``
-  holds one log-prob per distinct token: with noise it is the mean of that token's ``count`` per-call
-  values, exactly what an attacker averaging its N calls holds (y + N(0, sigma^2 / count) without
-  rounding; with rounding the per-call values are rounded before the mean, so noise dithers the
-  rounding away). The noise of prompt q is seeded by (seed, seeds[q]): the same request returns the
-  same reply, as a seeded API does.
+- ``noise_sigma``: each call's log-prob gets fresh Gaussian noise, clipped at 0 (a log-prob: unclipped, noise would
+  report probabilities above 1); then ``round_format`` (fp16, bf16 or fp8_e4m3, round to nearest even, single
+  rounding from float64; fp8_e4m3 saturates at +-448 like torch's float8_e4m3fn) and ``round_decimals`` (k decimals)
+  round each call's value.
+- ``min_logprob``: a call whose reported value (after noise and rounding: the threshold sees what would be
+  returned, so a withheld value tells only that the noisy value fell below it) lies below the threshold comes back
+  without a log-prob. ``Samples`` holds one log-prob per distinct token, the mean of its calls' reported values,
+  exactly what an attacker averaging its N calls holds (y + N(0, sigma^2 / count) without rounding or clipping; with
+  rounding the per-call values are rounded before the mean, so noise dithers the rounding away); a token none of
+  whose calls was reported tells the attacker nothing for Y_hat, so ``sample`` drops its entry (token, count,
+  log-prob; the calls stay charged and ``Samples.n`` falls below ``n``); ``argmax``, whose one call must return its
+  token, reports NaN. The noise of prompt q is seeded by (seed, seeds[q]): the same request returns the same reply,
+  as a seeded API does.
 
 Sampling side (``top_k``, ``top_p``, ``min_p``): the simulator applies them after the temperature, in
 vLLM V1's order (its sampler: temperature, min-p, then top-k and top-p): min-p (p_i >= min_p * p_max),
@@ -127,15 +128,35 @@ def quantise(y: np.ndarray, defence: Defence) -> np.ndarray:
     return y
 
 
-def reported_logprobs(y: np.ndarray, counts: np.ndarray, defence: Defence, rng: np.random.Generator) -> np.ndarray:
-    """Per distinct token, the mean over its ``counts`` calls of each call's reported log-prob
-    (``y`` + fresh N(0, sigma^2) noise, then ``quantise``); without noise every call reports ``quantise(y)``."""
-    y = np.asarray(y, dtype=np.float64)
+def report_calls(y: np.ndarray, defence: Defence, noise: np.ndarray | None = None) -> np.ndarray:
+    """Each call's reported log-prob for calls of true log-prob ``y``: plus its ``noise`` (each call's N(0, sigma^2)
+    draw; None without noise) clipped at 0, then ``quantise``; NaN (withheld) where that value lies below
+    ``min_logprob``."""
+    v = np.asarray(y, dtype=np.float64)
+    if noise is not None:
+        v = np.minimum(v + noise, 0.0)
+    v = quantise(v, defence)
+    if defence.min_logprob is not None:
+        v = np.where(v < defence.min_logprob, np.nan, v)
+    return v
+
+
+def reported_logprobs(y: np.ndarray, counts: np.ndarray, defence: Defence,
+                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per distinct token of true log-prob ``y`` drawn ``counts`` times: the mean of its calls' reported values
+    (``report_calls``; NaN where none was reported) and how many of its calls were reported. Without noise every call
+    of a token reports the same value."""
+    y, counts = np.asarray(y, dtype=np.float64), np.asarray(counts, dtype=np.int64)
     if not defence.noise_sigma or y.size == 0:
-        return quantise(y, defence)
-    counts = np.asarray(counts, dtype=np.int64)
-    per_call = quantise(np.repeat(y, counts) + defence.noise_sigma * rng.standard_normal(int(counts.sum())), defence)
-    return np.add.reduceat(per_call, np.concatenate([[0], np.cumsum(counts)[:-1]])) / counts
+        v = report_calls(y, defence)
+        return v, np.where(np.isnan(v), 0, counts)
+    calls = int(counts.sum())
+    per_call = report_calls(np.repeat(y, counts), defence, defence.noise_sigma * rng.standard_normal(calls))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    reported = np.add.reduceat(~np.isnan(per_call), starts)
+    total = np.add.reduceat(np.nan_to_num(per_call), starts)
+    with np.errstate(invalid="ignore"):
+        return np.where(reported > 0, total / reported, np.nan), reported
 
 
 def truncation_mask(p: np.ndarray, top_k: int | None = None, top_p: float | None = None,
@@ -374,11 +395,10 @@ class DefendedOracle(Oracle):
     # -- internals ---------------------------------------------------------------------------------
 
     def _report(self, s: Samples, rng: np.random.Generator, withheld: str = "drop") -> Samples:
-        """The log-prob side of one prompt's reply: ``min_logprob`` (drop or NaN), noise, rounding."""
-        y = reported_logprobs(s.logprobs, s.counts, self.defence, rng)
-        if self.defence.min_logprob is None:
+        """The log-prob side of one prompt's reply (``reported_logprobs``): a token none of whose calls was reported
+        dropped, or with ``withheld="nan"`` kept with a NaN log-prob."""
+        y, reported = reported_logprobs(s.logprobs, s.counts, self.defence, rng)
+        if withheld == "nan" or reported.all():
             return Samples(s.token_ids, y, s.counts, s.prompt_tokens)
-        below = s.logprobs < self.defence.min_logprob
-        if withheld == "nan":
-            return Samples(s.token_ids, np.where(below, np.nan, y), s.counts, s.prompt_tokens)
-        return Samples(s.token_ids[~below], y[~below], s.counts[~below], s.prompt_tokens)
+        keep = reported > 0
+        return Samples(s.token_ids[keep], y[keep], s.counts[keep], s.prompt_tokens)

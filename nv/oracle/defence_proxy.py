@@ -11,21 +11,26 @@ functions as ``DefendedOracle`` (``nv.oracle.defence``):
   search) are refused unless neutral: they would draw or read the tokens the truncation hides;
 - reply side: with truncation on, a top list keeps only the tokens it could have drawn (``listed_survivors``);
   each returned log-prob (the sampled token's, ``top_logprobs``, vLLM's ``prompt_logprobs``) gets
-  N(0, sigma^2) noise, one draw per (choice, position, token) and reply, so a token listed twice carries one value;
-  then ``round_format`` and ``round_decimals``; one below ``min_logprob`` is returned as null;
+  N(0, sigma^2) noise, one draw per (choice, position, token) and reply, so a token listed twice carries one value,
+  clipped at 0; then ``round_format`` and ``round_decimals`` (``report_calls``, as ``DefendedOracle``); one whose
+  value then lies below ``min_logprob`` is returned as null (the sampled token's) or left out (an entry of a top
+  list or of ``prompt_logprobs``);
 - timing: the reply waits out ``delay_uniform_ms`` / ``delay_exp_ms`` and then until the elapsed time is a
   multiple of ``latency_quantum_ms``.
 
 What the proxy cannot defend it refuses instead of passing on: a streamed request (400), a request field outside
 ``REQUEST_FIELDS`` (400: llama.cpp's ``mirostat_*`` and ``samplers`` replace the truncation chain, ``dynatemp_*``
 the temperature, ``post_sampling_probs``/``n_probs`` return probabilities instead of log-probs), a POST to any other
-route (403: it might return log-probs in a shape the proxy does not know), an upstream reply to a completion that is
-not a JSON object (502). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
+route (403: it might return log-probs in a shape the proxy does not know), another method on a completion route
+(405), an upstream reply to a completion that is not a JSON object (502). Its errors have OpenAI's shape (``message``,
+``type``, ``param``, ``code``) and do not name the upstream; the proxy prints one line per request (status, time,
+and why it refused or what the upstream answered). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
 the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
 provider's ``openai-processing-ms`` likewise, and the upstream's ``Date``); its ``created`` is the second it leaves
 the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
 does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
-waits the same delays. GET requests to ``READABLE`` (the model list, health) pass through unchanged; other routes are
+waits the same delays; a client error keeps its OpenAI fields (its message says what to mend), a server error only
+its status (its body may hold a traceback with the upstream's paths). GET requests to ``READABLE`` (the model list, health) pass through unchanged; other routes are
 refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
 come from the OS's entropy (``nv defend --seed`` for a reproducible run).
 Credentials in ``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into
@@ -47,7 +52,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from nv.errors import NVError
-from nv.oracle.defence import REQUEST_FIELDS, Defence, check_untruncating, http_truncation_fields, listed_survivors, quantise
+from nv.oracle.defence import REQUEST_FIELDS, Defence, check_untruncating, http_truncation_fields, listed_survivors, report_calls
 from nv.oracle.http import split_credentials
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
@@ -61,9 +66,10 @@ REPLY_FIELDS = {
 # headers a defended reply keeps: these, and the rate-limit family (x-ratelimit-*); not Server-Timing or a provider's
 # processing time (openai-processing-ms), which carry the upstream's own timing, nor its Date, written before the
 # delays (the proxy's own is the time the reply leaves)
-REPLY_HEADERS = {"content-type", "server", "x-request-id", "retry-after"}
+REPLY_HEADERS = {"content-type", "x-request-id", "retry-after"}  # not Server: it names the upstream's stack
 PASSED = ("GET", "HEAD", "OPTIONS")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+NOTE = web.ResponseKey("nv_note", str)  # a reply's line in the proxy's log
 # the stricter of the client's truncation and the provider's: fewer tokens, less mass, a higher floor (a top_k the
 # server reads as off, 0 or -1, or not whole: llama.cpp truncates 0.5 to 0, which switches top-k off, is the provider's)
 STRICTER = {"top_k": lambda mine, theirs: int(min(mine, theirs)) if math.isfinite(mine) and mine >= 1 and mine == int(mine)
@@ -127,6 +133,12 @@ def _drawable(tops: list[tuple], sampled, defence: Defence) -> list[tuple]:
     return [top for top, kept in zip(tops, listed_survivors(y, defence)) if kept or top[0] == sampled]
 
 
+def _listed(top: dict) -> dict:
+    """A completions top list without its withheld entries: a token listed with a null log-prob would still name it
+    and its rank."""
+    return {t: y for t, y in top.items() if y is not None}
+
+
 def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dict:
     """A chat or completions reply as the defended API returns it: only its known fields, every log-prob defended, a
     top list cut to the tokens the truncation could have drawn."""
@@ -134,11 +146,12 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
     noise: dict[str, float] = {}
 
     def value(y, key: tuple):
-        if not isinstance(y, (int, float)) or isinstance(y, bool) or (defence.min_logprob is not None and y < defence.min_logprob):
+        """``report_calls``: noise (one draw per key and reply), clipped at 0, rounded; None where withheld."""
+        if not isinstance(y, (int, float)) or isinstance(y, bool):
             return None  # missing, or a shape not known ("-1.2", true): dropped, not passed on undefended
-        if defence.noise_sigma:
-            y = y + noise.setdefault(repr(key), defence.noise_sigma * rng.standard_normal())  # repr: a token may be any JSON
-        return float(quantise(np.array([y], dtype=np.float64), defence)[0])
+        draw = noise.setdefault(repr(key), defence.noise_sigma * rng.standard_normal()) if defence.noise_sigma else None
+        v = float(report_calls(np.array([y], dtype=np.float64), defence, None if draw is None else np.array([draw]))[0])
+        return None if math.isnan(v) else v
 
     def prompt_logprobs(obj: dict, where: tuple) -> None:  # vLLM: [None | {token_id: {logprob, rank, decoded_token}}]
         positions = obj.get("prompt_logprobs")
@@ -148,11 +161,11 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
             if not isinstance(top, dict):
                 positions[i] = None
                 continue
-            for token, entry in top.items():
+            for entry_token, entry in top.items():
                 if isinstance(entry, dict):
-                    entry["logprob"] = value(entry.get("logprob"), (*where, i, token))
-                else:
-                    top[token] = None
+                    entry["logprob"] = value(entry.get("logprob"), (*where, i, entry_token))
+            # a withheld or malformed entry is left out, as in a top list: a null would still name the token and rank
+            positions[i] = {t: e for t, e in top.items() if isinstance(e, dict) and e["logprob"] is not None}
 
     prompt_logprobs(reply, ("prompt",))
     if "choices" in reply and not isinstance(reply["choices"], list):
@@ -186,6 +199,8 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
                                                                            own, defence)]
                 for top in entry.get("top_logprobs") or []:  # a token's text may be shared (byte tokens); its id is not
                     top["logprob"] = value(top.get("logprob"), (c, part, i, top.get("id", top.get("token"))))
+                if isinstance(entry.get("top_logprobs"), list):  # a withheld entry is left out: a null names the token
+                    entry["top_logprobs"] = [top for top in entry["top_logprobs"] if top["logprob"] is not None]
         # completions: tokens, token_logprobs, top_logprobs [{token: logprob}]; a top list is defended whatever sits
         # beside it (with token_logprobs null, or under a chat reply), and one of another shape is dropped
         sampled = list(lp["tokens"]) if isinstance(lp.get("tokens"), (list, str)) else []
@@ -196,7 +211,7 @@ def defend_reply(reply: dict, defence: Defence, rng: np.random.Generator) -> dic
         if "top_logprobs" in lp:
             tops = lp["top_logprobs"] if isinstance(lp["top_logprobs"], list) else []
             sampled += [None] * len(tops)
-            lp["top_logprobs"] = [{t: value(y, (c, "text", i, t)) for t, y in _drawable(list(top.items()), sampled[i], defence)}
+            lp["top_logprobs"] = [_listed({t: value(y, (c, "text", i, t)) for t, y in _drawable(list(top.items()), sampled[i], defence)})
                                   if isinstance(top, dict) else None for i, top in enumerate(tops)] or None
     return reply
 
@@ -211,8 +226,30 @@ def added_delay_s(defence: Defence, rng: np.random.Generator) -> float:
     return ms / 1000.0
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": f"nv defend: {message}"}}, status=status)
+def _error(status: int, message: str, log: str = "", headers: dict | None = None) -> web.Response:
+    """An OpenAI-shaped error reply; ``log`` (the proxy's own log line, not sent) may name what the client must not
+    learn, such as the upstream's address."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    response = web.json_response({"error": {"message": f"nv defend: {message}", "type": kind, "param": None, "code": None}},
+                                 status=status, headers=headers)
+    response[NOTE] = log or message
+    return response
+
+
+def _upstream_error(body: bytes, status: int) -> bytes:
+    """An upstream's error reply to a completion as the client gets it: a client error's OpenAI fields (its message
+    tells the client what to mend), a server error's status alone (its body may carry a traceback with the upstream's
+    paths)."""
+    try:
+        error = json.loads(body).get("error")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        error = None
+    if status >= 500 or not isinstance(error, (dict, str)):
+        return json.dumps({"error": {"message": f"nv defend: the upstream failed (HTTP {status})",
+                                     "type": "server_error" if status >= 500 else "invalid_request_error",
+                                     "param": None, "code": None}}).encode()
+    error = {"message": error} if isinstance(error, str) else {k: error.get(k) for k in ("message", "type", "param", "code")}
+    return json.dumps({"error": error}).encode()
 
 
 def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float = 600.0) -> web.Application:
@@ -239,11 +276,14 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
         if any(c in request.path for c in "%?#"):  # decoded again on the way up: %252E%252E is '..', %3F a query
             return _error(400, f"a path with an escaped '%', '?' or '#' is not forwarded: {request.raw_path}")
         model = request.path.startswith(("/v1/models/", "/models/")) and request.path.rstrip("/").count("/") <= 3
+        completion = request.path.rstrip("/").endswith("/completions")
+        if completion and request.method != "POST":
+            return _error(405, f"{request.path} takes POST, not {request.method}", headers={"Allow": "POST"})
         if not defended and request.path.rstrip("/") not in READABLE and not model:
             return _error(403, f"only {', '.join(READABLE)} are readable through the proxy, not {request.method} "
                                f"{request.path}: a server's /metrics gives each request's own prefill time")
         if defended:
-            if not request.path.rstrip("/").endswith("/completions"):
+            if not completion:
                 return _error(403, f"only completion routes (POST .../completions) are forwarded, not {request.method} "
                                    f"{request.path}: another route could return log-probs undefended")
             try:
@@ -267,9 +307,10 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 body, status = await up.read(), up.status
                 passed = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in HOP)
         except asyncio.TimeoutError:
-            return _error(504, f"upstream {base} did not answer within {timeout_s:g} s")
+            return _error(504, f"the upstream did not answer within {timeout_s:g} s",
+                          f"upstream {base} did not answer within {timeout_s:g} s")
         except aiohttp.ClientError as exc:
-            return _error(502, f"upstream {base} unreachable: {exc or type(exc).__name__}")
+            return _error(502, "the upstream is unreachable", f"upstream {base} unreachable: {exc or type(exc).__name__}")
         if defended:  # an error's reply too: its headers and its time may carry the upstream's (Server-Timing)
             if status == 200:
                 try:
@@ -277,13 +318,14 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     reply = None
                 if not isinstance(reply, dict):
-                    return _error(502, f"upstream {base} answered {request.path} with something other than a JSON object: "
+                    return _error(502, f"the upstream answered {request.path} with something other than a JSON object: "
                                        "not passed on undefended")
                 reply = defend_reply(reply, defence, rng)
-            kind = passed.get("Content-Type", "application/json") if status != 200 else "application/json"
+            else:
+                note, body = f"the upstream's HTTP {status}: {body[:300].decode(errors='replace')}", _upstream_error(body, status)
             passed = CIMultiDict((k, v) for k, v in passed.items()
                                  if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
-            passed["Content-Type"] = kind
+            passed["Content-Type"] = "application/json"
             wait = added_delay_s(defence, rng)
             if defence.latency_quantum_ms is not None:
                 q = defence.latency_quantum_ms / 1000.0
@@ -294,11 +336,23 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 if "created" in reply:  # dated its reply before every delay (a review, 2026-12-07)
                     reply["created"] = int(time.time())
                 body = json.dumps(reply).encode()
-        return web.Response(body=body, status=status, headers=passed)
+        response = web.Response(body=body, status=status, headers=passed)
+        if defended and status != 200:
+            response[NOTE] = note
+        return response
+
+    async def logged(request: web.Request) -> web.StreamResponse:
+        """``forward``, and one line of the proxy's log per request: its status, time and, for a refusal, why."""
+        start = time.monotonic()
+        response = await forward(request)
+        note = response.get(NOTE)
+        print(f"nv defend: {response.status} {request.method} {request.path} {1000 * (time.monotonic() - start):.0f} ms"
+              + (f": {note}" if note else ""), flush=True)
+        return response
 
     app = web.Application(client_max_size=64 * 2**20)
     app.cleanup_ctx.append(client)
-    app.router.add_route("*", "/{tail:.*}", forward)
+    app.router.add_route("*", "/{tail:.*}", logged)
     return app
 
 

@@ -112,6 +112,7 @@ def disk_bytes(model: TokenModel, D: int, rounds: list[int], adaptive: bool = Fa
 
 FREQUENT = 30.0  # expected draws N_0 e^y of an entry that ``draws_over_expected`` compares
 AGREEMENT = (0.8, 1.25)  # observed / expected draws of those entries for a pilot the model describes
+MIN_CHECKED = 20  # fewer such entries cannot tell whether the pilot's log-probs are its draws' (nv attack refuses it)
 
 
 def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
@@ -130,7 +131,7 @@ def draws_over_expected(pilot: SampledMatrix) -> tuple[float, int]:
 
 def _agrees(pilot: SampledMatrix) -> tuple[bool, float, int]:
     ratio, n = draws_over_expected(pilot)
-    return n < 20 or AGREEMENT[0] <= ratio <= AGREEMENT[1], ratio, n
+    return n < MIN_CHECKED or AGREEMENT[0] <= ratio <= AGREEMENT[1], ratio, n
 
 
 def log_normaliser(y_tau: np.ndarray, counts: np.ndarray, N: int) -> float:
