@@ -118,10 +118,11 @@ def headline(record: dict) -> str:
     block = f"common set {record['D_prime']:,} x {record['common_set_size']:,} (prompts x tokens) of D = {record['D']:,}"
     if record["saturated"]:
         interval = record.get("d_interval")
-        where = f", 90 % interval [{interval[0]}, {interval[1]}]" if interval and interval[1] is not None else ""
+        where = f", 90 % interval [{interval[0]:g}, {interval[1]:g}]" if interval and interval[1] is not None else ""
         return f"phase 1: d_hat = {record['d_hat']} (raw {record['d_hat_raw']}{where}); {block}"
-    return (f"phase 1: not saturated, d >= {record['lower_bound']}; {block} at N = {record['N']:,} calls a prompt (more "
-            "calls grow the common set: `--dry-run --pilot` plans N; README, Planning a budget)")
+    bound = "" if record["lower_bound"] is None else f", d >= {record['lower_bound']}"  # the paper's detector has none
+    return (f"phase 1: {record['reason']}{bound}; {block} at N = {record['N']:,} calls a prompt (more calls grow the "
+            "common set: `--dry-run --pilot` plans N; README, Planning a budget)")
 
 
 def attack(args: argparse.Namespace) -> int:

@@ -5,9 +5,13 @@ Each knob is applied post hoc to what the undefended run observed, where that is
 
 - log-prob rounding (``round_decimals``, ``round_format``) and ``min_logprob`` are deterministic in each call's
   value y, and every call of a token reports the same y: they act on Y_hat's entries directly.
-- ``noise_sigma``: fresh N(0, sigma^2) per call. Averaged over the c calls that drew a token (the counter-measure,
-  what ``DefendedOracle`` serves) it is y + N(0, sigma^2 / c); without it the attacker keeps one call's value,
-  y + N(0, sigma^2).
+- ``noise_sigma``: fresh N(0, sigma^2) per call, clipped at 0 (``nv.oracle.defence.report_calls``). Averaged over the
+  c calls that drew a token (the counter-measure, what ``DefendedOracle`` serves) it is the mean of c clipped values
+  (``clipped_noise_mean``; y + N(0, sigma^2 / c) where the clip binds on no call); without it the attacker keeps one
+  call's value.
+- Each knob is swept alone, and the emulation is exact for one knob at a time: together, ``DefendedOracle`` rounds
+  each noisy call before the mean and thresholds the reported value, where this sweep rounds the mean and
+  thresholds y.
 - truncation (``top_k``, ``top_p``, ``min_p``): a draw outside the served set S_q is never made. Of N untruncated
   calls, those that fell in S_q are distributed as truncated calls: the attack pays for N calls and keeps the draws
   inside S_q, fewer than N truncated calls would give (``short_rows`` counts the prompts with fewer than N).
@@ -30,8 +34,9 @@ Each knob is applied post hoc to what the undefended run observed, where that is
   and the draws are not copied.
 
 Outcomes: phase 1 as ``nv.phase1.exactness.outcome`` ("exact": d within the detector's interval around d_hat_raw,
-"not saturated" with a lower bound at most d, "wrong" otherwise; the paper estimator's "no estimate"); phase 2
-"stopped" when |L_hat - L| / L exceeds ``L_tolerance``.
+"not saturated" with a lower bound at most d, "wrong" otherwise; the paper estimator's "no estimate"), marked "leaks
+d" where the answer still gives d away (``leaks_d``); phase 2 "stopped" when |L_hat - L| / L exceeds
+``L_tolerance``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from nv.phase1.exactness import adaptive_replays, adaptive_stop, outcome
 from nv.phase1.pipeline import common_set, estimate_both
 from nv.phase1.prune import greedy_prune
 from nv.phase1.sampling import SampledMatrix, sample_budget
-from nv.phase1.spectrum import d_interval
+from nv.phase1.spectrum import d_interval, snap
 from nv.phase2.evaluation import held_out
 from nv.phase2.protocol import BASELINE, LengthTimings, summarize
 
@@ -115,7 +120,7 @@ def clipped_noise_mean(y: np.ndarray, sigma: float, calls: np.ndarray, rng: np.r
     mean = y * Phi - sigma * phi
     var = np.maximum(y * y * Phi - 2 * y * sigma * phi + sigma**2 * (Phi - a * phi) - mean**2, 0.0)
     z = rng.standard_normal(y.shape)
-    return np.where(calls == 1, np.minimum(y + sigma * z, 0.0), mean + np.sqrt(var / calls) * z)
+    return np.minimum(np.where(calls == 1, y + sigma * z, mean + np.sqrt(var / calls) * z), 0.0)  # a mean of values <= 0
 
 
 def reported_values(y: np.ndarray, c: np.ndarray, defence: Defence, averaged: bool, rng: np.random.Generator,
@@ -389,17 +394,23 @@ def price_text(price: pd.Series) -> str:
 
 
 def leaks_d(lower_bound: int, d_true: int, g: int) -> bool:
-    """Whether a lower bound still gives d away: hidden sizes are multiples of g (Alg. 2's snap), so an attacker
-    takes the first multiple of g at or above the bound, which is d when the bound lies within g below it."""
-    return d_true - g < lower_bound <= d_true and d_true % g == 0
+    """Whether an answer below d still gives d away: hidden sizes are multiples of g, and Alg. 2 snaps up to the next
+    one (``snap``), which is d for a lower bound, or a wrong estimate, within g below it."""
+    return lower_bound <= d_true and snap(int(lower_bound), g) == d_true
 
 
-def bound_cell(lower_bound, d_true: int, g: int) -> str:
-    """A "not saturated" outcome with its lower bound, marked "leaks d" where ``leaks_d``."""
-    lb = int(lower_bound or 0)
-    if leaks_d(lb, d_true, g):
+def estimate_cell(outcome: str, raw, lower_bound, d_true: int, g: int) -> str:
+    """A phase-1 outcome with its raw estimate or lower bound, marked "leaks d" where the answer, snapped up to g
+    (``leaks_d``), is d: a lower bound within g below it, or a "wrong" estimate there."""
+    if pd.notna(raw):
+        leak = "leaks d: " if outcome == "wrong" and leaks_d(raw, d_true, g) else ""
+        return f"{leak}{outcome} ({int(raw)})"
+    if pd.isna(lower_bound):
+        return outcome
+    lb = int(lower_bound)
+    if outcome == "not saturated" and leaks_d(lb, d_true, g):
         return f"leaks d: not saturated (d >= {lb}; the next multiple of {g} is d)"
-    return f"not saturated (d >= {lb})"
+    return f"{outcome} (d >= {lb})"
 
 
 def adaptive_cell(row, d_true: int, g: int) -> str:
@@ -417,8 +428,8 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, adaptive: 
             d_true: int, g: int) -> pd.DataFrame:
     """``outputs/defences/results.csv``: one row per (knob, setting): the phase it targets, the attack's outcome
     without and with its counter-measure (and at 10x), where the adaptive attack stops (phase 1: tokens to
-    exactness, ``adaptive_phase1``), and the provider's cost. A phase-1 lower bound within g of d counts as a leak
-    (``bound_cell``); phase 2 gives L_hat and the P_hat of Eq. 3 that follows from it (the target's own ratios)."""
+    exactness, ``adaptive_phase1``), and the provider's cost. A phase-1 answer that snaps up to d counts as a leak
+    (``estimate_cell``); phase 2 gives L_hat and the P_hat of Eq. 3 that follows from it (the target's own ratios)."""
     stops_at = {(r.knob, r.setting): adaptive_cell(r, d_true, g) for r in adaptive.itertuples()}
     rows = []
     for (knob, setting), g1 in p1.groupby(["knob", "setting"], sort=False, dropna=False):
@@ -429,7 +440,7 @@ def results(p1: pd.DataFrame, p2: pd.DataFrame, prices: pd.DataFrame, adaptive: 
             r = v.loc[variant]
             o = r[f"{estimator}_outcome"]
             raw = r[f"{estimator}_d_hat_raw"]
-            return f"{o} ({int(raw)})" if pd.notna(raw) else bound_cell(r[f"{estimator}_lower_bound"], d_true, g)
+            return estimate_cell(o, raw, r[f"{estimator}_lower_bound"], d_true, g)
         price = prices[(prices.knob == knob) & (prices.setting == setting)]
         rows.append({"knob": knob, "setting": setting, "phase": 1, "without_counter": cell("no_counter") or cell("attack"),
                      "with_counter": cell("attack") if "no_counter" in v.index else "", "at_10x": cell("attack_10x"),

@@ -382,13 +382,17 @@ def test_a_pilot_too_small_to_check_is_refused_and_the_plan_adds_both_phases(roo
 
 def test_the_outcome_in_words_names_the_common_set_and_what_to_do():
     from nv.cli import headline, summary
+    from nv.phase1.spectrum import d_interval
 
-    record = {"model": "m", "estimator": "robust", "saturated": False, "d_hat_raw": None, "d_hat": None, "lower_bound": 0,
-              "tokens": 50_775, "calls": 1_216, "D": 12, "D_prime": 1, "common_set_size": 68, "N": 100}
+    record = {"model": "m", "estimator": "robust", "saturated": False, "reason": "not saturated", "d_hat_raw": None,
+              "d_hat": None, "lower_bound": 0, "tokens": 50_775, "calls": 1_216, "D": 12, "D_prime": 1,
+              "common_set_size": 68, "N": 100}
     assert headline(record).startswith("phase 1: not saturated, d >= 0; common set 1 x 68 (prompts x tokens) of D = 12 "
                                        "at N = 100 calls a prompt (more calls grow the common set")
-    done = record | {"saturated": True, "d_hat_raw": 575, "d_hat": 576, "lower_bound": None, "D_prime": 2_900,
-                     "common_set_size": 3_894, "d_interval": [572, 578]}
-    assert headline(done) == ("phase 1: d_hat = 576 (raw 575, 90 % interval [572, 578]); common set 2,900 x 3,894 "
-                              "(prompts x tokens) of D = 12")
-    assert summary(done)["common_set"] == [2_900, 3_894] and summary(done)["d_interval"] == [572, 578]
+    paper = record | {"estimator": "paper", "reason": "no saddle", "lower_bound": None}  # the paper's detector: no bound
+    assert headline(paper).startswith("phase 1: no saddle; common set 1 x 68")
+    done = record | {"saturated": True, "reason": "saturated", "d_hat_raw": 895, "d_hat": 896, "lower_bound": None,
+                     "D_prime": 2_900, "common_set_size": 3_894, "d_interval": list(d_interval(895, None))}
+    assert headline(done) == ("phase 1: d_hat = 896 (raw 895, 90 % interval [890.525, 899.475]); common set 2,900 x "
+                              "3,894 (prompts x tokens) of D = 12")  # the detector's interval, +- 0.5 % (not 890.525000001)
+    assert summary(done)["common_set"] == [2_900, 3_894] and summary(done)["d_interval"] == done["d_interval"]

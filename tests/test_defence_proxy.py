@@ -44,7 +44,7 @@ def upstream_app(seen: list) -> web.Application:
         if path.endswith("/list/completions"):
             return web.json_response([1, 2])
         if path.endswith("/crash/completions"):  # llama-cpp-python's 500 for a bad field: a traceback with its paths
-            return web.Response(text='{"error": {"message": "Traceback: File \\"/srv/venv/llama_cpp/server/app.py\\""}}',
+            return web.Response(text='{"error": {"message": "Traceback:\\n  File \\"/srv/venv/llama_cpp/server/app.py\\""}}\n',
                                 status=500, content_type="application/json", headers={"Server": "uvicorn"})
         if path.endswith("/long/completions"):
             return web.json_response({"error": {"message": "the prompt is too long", "type": "invalid_request_error",
@@ -55,7 +55,7 @@ def upstream_app(seen: list) -> web.Application:
         if path.endswith("/slow/completions"):
             await asyncio.sleep(2)
         if path.endswith("/models"):
-            return web.json_response({"data": [{"id": "m"}]})
+            return web.json_response({"data": [{"id": "m"}]}, headers={"Server": "uvicorn", "Server-Timing": "q;dur=1"})
         if path.endswith("/stamped/completions"):  # the upstream's clock, in the reply and in its Date header
             return web.json_response(TEXT | {"created": int(time.time())}, headers={"Date": "Mon, 01 Jan 2001 00:00:00 GMT"})
         if path.endswith("/leaky/chat/completions"):  # llama.cpp's prefill time and post-sampling probabilities
@@ -433,8 +433,10 @@ def test_errors_have_a_providers_shape_and_carry_nothing_of_the_upstream(capsys)
                                                          ("POST", "/v1/long/completions", {"prompt": "x"}),
                                                          ("GET", "/v1/chat/completions", None),
                                                          ("DELETE", "/v1/completions", None),
-                                                         ("POST", "/v1/completions", {"prompt": "x", "stream": True})])
-    (crash, long, get, delete, stream) = replies
+                                                         ("POST", "/v1/completions", {"prompt": "x", "stream": True}),
+                                                         ("POST", "/v1/busy/completions", {"prompt": "x"}),
+                                                         ("GET", "/v1/models", None)])
+    (crash, long, get, delete, stream, busy, models) = replies
     assert crash[0] == 500 and crash[2] == {"error": {"message": "nv defend: the upstream failed (HTTP 500)",
                                                       "type": "server_error", "param": None, "code": None}}
     assert "uvicorn" not in crash[1].get("Server", "")
@@ -443,9 +445,13 @@ def test_errors_have_a_providers_shape_and_carry_nothing_of_the_upstream(capsys)
     for status, headers, body in (get, delete):
         assert status == 405 and headers["Allow"] == "POST" and "takes POST" in body["error"]["message"]
     assert set(stream[2]["error"]) == {"message", "type", "param", "code"} and stream[2]["error"]["type"] == "invalid_request_error"
-    assert [s["path"] for s in seen] == ["/v1/crash/completions", "/v1/long/completions"]
-    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("nv defend: ")]
-    assert len(log) == 5 and log[0].startswith("nv defend: 500 POST /v1/crash/completions") and "app.py" in log[0]
+    assert busy[2] == {"error": {"message": "slow down", "type": "invalid_request_error", "param": None, "code": None}}
+    assert models[0] == 200 and "Server-Timing" not in models[1]
+    assert all("Server" not in headers for _, headers, _ in replies)  # neither the upstream's nor aiohttp's own
+    assert [s["path"] for s in seen] == ["/v1/crash/completions", "/v1/long/completions", "/v1/busy/completions", "/v1/models"]
+    out = capsys.readouterr().out.splitlines()
+    log = [line for line in out if line.startswith("nv defend: ")]
+    assert len(log) == len(out) == 7 and log[0].startswith("nv defend: 500 POST /v1/crash/completions") and "app.py" in log[0]
     assert log[2].startswith("nv defend: 405 GET /v1/chat/completions") and "streamed replies" in log[4]
 
 

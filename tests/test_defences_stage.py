@@ -14,11 +14,11 @@ import yaml
 from nv.defences import (
     _latency_curve,
     adaptive_phase1,
-    bound_cell,
     clipped_noise_mean,
     defend_record,
     defended_common,
     dither_tokens,
+    estimate_cell,
     fastest,
     leaks_d,
     logprob_price,
@@ -247,16 +247,24 @@ def test_a_lower_bound_within_g_of_d_leaks_d():
     review, 2026-12-07); a bound of 512 or less leaves 576 unknown."""
     assert [leaks_d(b, 576, 64) for b in (513, 566, 576, 512, 482, 577)] == [True, True, True, False, False, False]
     assert not leaks_d(570, 570, 64)  # a d off the grid: no multiple of g to read
-    assert bound_cell(566, 576, 64) == "leaks d: not saturated (d >= 566; the next multiple of 64 is d)"
-    assert bound_cell(482, 576, 64) == "not saturated (d >= 482)"
+    def bound_cell(lb, d=576):
+        return estimate_cell("not saturated", None, lb, d, 64)
+    assert bound_cell(566) == "leaks d: not saturated (d >= 566; the next multiple of 64 is d)"
+    assert bound_cell(482) == "not saturated (d >= 482)"
+    # a wrong answer keeps its label (a bound above d; a review found it shown as "not saturated"), and one that snaps
+    # up to d leaks it as a bound there does
+    assert estimate_cell("wrong", None, 600, 576, 64) == "wrong (d >= 600)"
+    assert estimate_cell("wrong", 560, None, 576, 64) == "leaks d: wrong (560)"
+    assert estimate_cell("wrong", 500, None, 576, 64) == "wrong (500)" and estimate_cell("exact", 576, None, 576, 64) == "exact (576)"
+    assert estimate_cell("no estimate", None, None, 576, 64) == "no estimate"
 
     def row(knob, setting, plain, ten):
         return {"knob": knob, "setting": setting, "phase": 1, "without_counter": plain, "with_counter": "",
                 "at_10x": ten, "adaptive": "", "paper_estimator": "", "cost": "c"}
     table = pd.DataFrame([row("none", "", "exact (576)", ""),
-                          row("round_format", "bf16", bound_cell(566, 576, 64), ""),
-                          row("round_format", "fp8_e4m3", bound_cell(177, 576, 64), ""),
-                          row("noise_sigma", "0.3", bound_cell(368, 576, 64), bound_cell(527, 576, 64))])
+                          row("round_format", "bf16", bound_cell(566), ""),
+                          row("round_format", "fp8_e4m3", bound_cell(177), ""),
+                          row("noise_sigma", "0.3", bound_cell(368), bound_cell(527))])
     stop = weakest(table).set_index("knob")
     assert stop.loc["round_format", "default budget"] == "fp8_e4m3 (c)"
     assert stop.loc["noise_sigma", "default budget"] == "0.3 (c)"
@@ -414,12 +422,12 @@ def test_the_figure_shows_what_the_attacker_gets_and_which_defence_stops_it():
     (leak,) = [patch for patch in phase1.patches if patch.get_label().startswith("a bound here leaks d")]
     low, high = leak.get_path().get_extents(leak.get_transform() - phase1.transData).intervaly
     assert 512 < low < 513 and high == pytest.approx(573)  # (d - g, d - tol]: 566 inside, 512 below
-    assert [t.get_text().split("\n")[1] for t in phase1.get_xticklabels()[1:]] == ["±0.08 nats", "±0.8 nats"]
+    assert [t.get_text().split("\n")[1] for t in phase1.get_xticklabels()[1:]] == ["off 0.08 nats", "off 0.8 nats"]
     signed = sorted((round(line.get_xdata()[0], 2), round(line.get_ydata()[0])) for line in phase2.get_lines()
                     if line.get_marker() in ("o", "D") and line.get_xdata()[0] > 0.5)
     assert signed == [(1 + OFFSET[1], -20), (1 + OFFSET[2], 37)]
     no_fit = [(line.get_xdata()[0], to_hex(line.get_color())) for line in phase2.get_lines() if line.get_marker() == "X"]
     assert no_fit == [(1 + OFFSET[0], colour["no_counter"])]  # only the plain statistic failed at 100 ms
     cells = verdict.tables[0].get_celld()
-    assert cells[(1, 2)].get_text().get_text() == "1  (±0.8 nats)" and to_hex(cells[(1, 2)].get_facecolor()) == "#c8e6c9"
+    assert cells[(1, 2)].get_text().get_text() == "1  (off 0.8 nats)" and to_hex(cells[(1, 2)].get_facecolor()) == "#c8e6c9"
     assert cells[(2, 2)].get_text().get_text() == "none stops it" and to_hex(cells[(2, 2)].get_facecolor()) == "#f4c7c3"

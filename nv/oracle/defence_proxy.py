@@ -30,7 +30,8 @@ provider's ``openai-processing-ms`` likewise, and the upstream's ``Date``); its 
 the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
 does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
 waits the same delays; a client error keeps its OpenAI fields (its message says what to mend), a server error only
-its status (its body may hold a traceback with the upstream's paths). GET requests to ``READABLE`` (the model list, health) pass through unchanged; other routes are
+its status (its body may hold a traceback with the upstream's paths). GET requests to ``READABLE`` (the model list, health) pass through with the same headers kept (no reply carries a
+``Server`` header, the upstream's or aiohttp's: each names a software stack); other routes are
 refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
 come from the OS's entropy (``nv defend --seed`` for a reproducible run).
 Credentials in ``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into
@@ -244,12 +245,13 @@ def _upstream_error(body: bytes, status: int) -> bytes:
         error = json.loads(body).get("error")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         error = None
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     if status >= 500 or not isinstance(error, (dict, str)):
-        return json.dumps({"error": {"message": f"nv defend: the upstream failed (HTTP {status})",
-                                     "type": "server_error" if status >= 500 else "invalid_request_error",
-                                     "param": None, "code": None}}).encode()
-    error = {"message": error} if isinstance(error, str) else {k: error.get(k) for k in ("message", "type", "param", "code")}
-    return json.dumps({"error": error}).encode()
+        error = {"message": f"nv defend: the upstream failed (HTTP {status})"}
+    elif isinstance(error, str):
+        error = {"message": error}
+    return json.dumps({"error": {"message": error.get("message"), "type": error.get("type") or kind,
+                                 "param": error.get("param"), "code": error.get("code")}}).encode()
 
 
 def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float = 600.0) -> web.Application:
@@ -311,8 +313,12 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                           f"upstream {base} did not answer within {timeout_s:g} s")
         except aiohttp.ClientError as exc:
             return _error(502, "the upstream is unreachable", f"upstream {base} unreachable: {exc or type(exc).__name__}")
+        # every reply keeps only REPLY_HEADERS: the upstream's Server names its stack, Server-Timing its own timing
+        passed = CIMultiDict((k, v) for k, v in passed.items()
+                             if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
+        ok = 200 <= status < 300
         if defended:  # an error's reply too: its headers and its time may carry the upstream's (Server-Timing)
-            if status == 200:
+            if ok:
                 try:
                     reply = json.loads(body)
                 except (json.JSONDecodeError, UnicodeDecodeError):
@@ -321,10 +327,8 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                     return _error(502, f"the upstream answered {request.path} with something other than a JSON object: "
                                        "not passed on undefended")
                 reply = defend_reply(reply, defence, rng)
-            else:
-                note, body = f"the upstream's HTTP {status}: {body[:300].decode(errors='replace')}", _upstream_error(body, status)
-            passed = CIMultiDict((k, v) for k, v in passed.items()
-                                 if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
+            else:  # one line of the log, whatever the body holds
+                note, body = f"the upstream's HTTP {status}: {body[:300].decode(errors='replace')!r}", _upstream_error(body, status)
             passed["Content-Type"] = "application/json"
             wait = added_delay_s(defence, rng)
             if defence.latency_quantum_ms is not None:
@@ -332,12 +336,12 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
                 elapsed = time.monotonic() - start + wait
                 wait += math.ceil(elapsed / q) * q - elapsed
             await asyncio.sleep(wait)
-            if status == 200:  # stamped when it leaves: the upstream's second, read against the client's own clock,
+            if ok:  # stamped when it leaves: the upstream's second, read against the client's own clock,
                 if "created" in reply:  # dated its reply before every delay (a review, 2026-12-07)
                     reply["created"] = int(time.time())
                 body = json.dumps(reply).encode()
         response = web.Response(body=body, status=status, headers=passed)
-        if defended and status != 200:
+        if defended and not ok:
             response[NOTE] = note
         return response
 
@@ -350,7 +354,11 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
               + (f": {note}" if note else ""), flush=True)
         return response
 
+    async def anonymous(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.popall("Server", None)  # aiohttp's own "Python/3.x aiohttp/3.x" names the proxy
+
     app = web.Application(client_max_size=64 * 2**20)
+    app.on_response_prepare.append(anonymous)
     app.cleanup_ctx.append(client)
     app.router.add_route("*", "/{tail:.*}", logged)
     return app

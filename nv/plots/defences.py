@@ -27,13 +27,13 @@ def short_price(cost: str) -> str:
     if cost.endswith("ms per request"):
         return f"+{cost.split()[0]} ms"
     if cost.startswith("log-probs off by"):
-        return f"±{cost.split()[3]} nats" + (" & withheld" if "withheld" in cost else "")
+        return f"off {cost.split()[3]} nats" + (" & withheld" if "withheld" in cost else "")  # a mean |error|
     if "withheld" in cost:
         return f"{cost.split()[0]} % withheld"
     return cost
 
 
-def _phase1(ax, p1: pd.DataFrame, knob: str, x: np.ndarray, d_true: int, g: int, estimator: str) -> None:
+def _phase1(ax, p1: pd.DataFrame, knob: str, d_true: int, g: int, estimator: str) -> None:
     """What the attacker gets for d at each setting: a saturated estimate (filled; ringed red where wrong), or the
     lower bound of a "not saturated" one (a triangle: d >= it), in the variant's colour; the band within g below d,
     where a bound still leaks d, shaded."""
@@ -72,7 +72,7 @@ def _phase1(ax, p1: pd.DataFrame, knob: str, x: np.ndarray, d_true: int, g: int,
     ax.set_ylabel(f"d the attacker gets ({estimator})")
 
 
-def _phase2(ax, p2: pd.DataFrame, knob: str, x: np.ndarray, L_tolerance: float) -> None:
+def _phase2(ax, p2: pd.DataFrame, knob: str, L_tolerance: float) -> None:
     """The signed error of L_hat at each setting, the band where the attack works shaded; no fit a cross in the red
     band at the top, in the variant's colour."""
     top = 100.0
@@ -143,10 +143,10 @@ def outcome_vs_strength(p1: pd.DataFrame, p2: pd.DataFrame, table: pd.DataFrame,
         labels = ["none\n(undefended)"] + [f"{s}\n{short_price(c)}" for s, c in zip(rows_t.setting, rows_t.cost)]
         x = np.arange(len(labels))
         if phase == 1:
-            _phase1(ax, p1, knob, x, d_true, g, estimator)
+            _phase1(ax, p1, knob, d_true, g, estimator)
             ax.set_title(f"phase 1 vs {knob} (d = {d_true})")
         else:
-            _phase2(ax, p2, knob, x, L_tolerance)
+            _phase2(ax, p2, knob, L_tolerance)
             ax.set_title(f"phase 2 vs {knob} (L = {int(p2.L_true.iloc[0])})")
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_xlabel(f"{knob} (setting, and its price)", fontsize=8)
