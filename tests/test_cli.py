@@ -355,7 +355,6 @@ def test_a_pilot_too_small_to_check_is_refused_and_the_plan_adds_both_phases(roo
     from nv.params import load_params
     from nv.phase1.planner import MIN_CHECKED, draws_over_expected
     from nv.phase1.sampling import collect
-    from nv.phase2.calibration import load_calibration
     from synthetic import LowRankOracle
 
     params = load_params(write_tiny_params(root, tmp_path), ["seed", "search", "sampling", "live", "planner"])
@@ -366,8 +365,10 @@ def test_a_pilot_too_small_to_check_is_refused_and_the_plan_adds_both_phases(roo
     with pytest.raises(NVError, match=r"^the pilot in .* \(12 prompts x 100 calls\) is too small to plan from: \d+ of its "
                                       r"entries .* \(20 needed\); draw a few hundred prompts x 10\^4 calls"):
         plan(params, Budget(None, None, None, None), folder)
-    timing = {"calibration": load_calibration(root / "outputs" / "timing_fit" / "calibration.json"), "k": 1.0,
-              "vocab_size": None, "p_max": 8192, "d_hat": 576, "k_given": False}
+    # a calibration's protocol fields (a fresh clone has no outputs/timing_fit: the stages make it)
+    calibration = {"platform": "inprocess", "r": 0.1, "trials": 10, "warmups": 3, "n_lengths": 24, "discard": 12,
+                   "kv_ratio": 0.25, "ffn_ratio": 3.5}
+    timing = {"calibration": calibration, "k": 1.0, "vocab_size": None, "p_max": 8192, "d_hat": 576, "k_given": False}
     budget = Budget(None, None, None, 0.2)
     p = plan(params | {"sampling": {**params["sampling"], "N": "auto", "N0": 1000, "N_max": 64_000, "growth": 2.0}},
              Budget(None, 5_000_000, None, 0.2), None, None, timing)

@@ -134,7 +134,8 @@ def check_defences(project: Path) -> None:
     # the stored 5,000), with that round's bound
     adaptive = pd.read_csv(project / "outputs" / "defences" / "adaptive.csv", keep_default_na=False)
     none = adaptive[adaptive.knob == "none"].iloc[0]
-    assert none.N == 4000 and undefended.adaptive == f"no stop by N = 4,000 (d >= {int(none.lower_bound)})"
+    assert none.N == 4000 and undefended.adaptive == (f"no stop by N = 4,000 (d >= {int(none.lower_bound)}; its next round "
+                                                      "is past the stored draws)")
     assert list(zip(adaptive.knob, adaptive.setting.astype(str))) == [("none", ""), *swept[:3]]
     assert {str(n) for n in adaptive.N} <= {"", "1000", "2000", "4000"}  # every row ends at a round of the loop's
     fit = pd.read_csv(project / "outputs" / "timing_fit" / "estimates.csv")
