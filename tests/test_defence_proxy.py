@@ -391,8 +391,10 @@ def test_credentials_prefix_timeout_and_headers():
     assert all("s3cret" not in json.dumps(r[2]) for r in replies)
     # the upstream's 429 comes back at once; the proxy holds it, as any reply, until the 600 ms quantum
     elapsed: list = []
-    busy, _ = exchange(Defence(latency_quantum_ms=600), [("POST", "/v1/busy/completions", {"prompt": "x"})], elapsed=elapsed)
+    busy, _ = exchange(Defence(latency_quantum_ms=600), [("POST", "/v1/busy/completions", {"prompt": "x"}),
+                                                          ("POST", "/v1/broken/completions", {"prompt": "x"})], elapsed=elapsed)
     assert busy[0][0] == 429 and elapsed[0] >= 0.6
+    assert busy[1][0] == 502 and elapsed[1] >= 0.6  # the proxy's own 502 for a broken reply waited nothing until 2026-12-07
     assert check_upstream("http://u:pw@127.0.0.1:9/openai/") == ("http://127.0.0.1:9/openai", {"Authorization": "Basic dTpwdw=="})
     with pytest.raises(NVError, match="without /v1.*give http://127.0.0.1:9$"):
         check_upstream("http://127.0.0.1:9/v1")

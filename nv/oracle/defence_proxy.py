@@ -29,7 +29,7 @@ the server's own prefill time, would undo every timing knob) and only the header
 provider's ``openai-processing-ms`` likewise, and the upstream's ``Date``); its ``created`` is the second it leaves
 the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
 does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
-waits the same delays; a client error keeps its OpenAI fields (its message says what to mend), a server error only
+waits the same delays, as does the proxy's 502 for a reply that is not a JSON object; a client error keeps its OpenAI fields (its message says what to mend), a server error only
 its status (its body may hold a traceback with the upstream's paths). GET requests to ``READABLE`` (the model list, health) pass through with the same headers kept (no reply carries a
 ``Server`` header, the upstream's or aiohttp's: each names a software stack); other routes are
 refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
@@ -317,33 +317,34 @@ def make_app(upstream: str, defence: Defence, seed: int | None, timeout_s: float
         passed = CIMultiDict((k, v) for k, v in passed.items()
                              if k.lower() in REPLY_HEADERS or k.lower().startswith("x-ratelimit-"))
         ok = 200 <= status < 300
-        if defended:  # an error's reply too: its headers and its time may carry the upstream's (Server-Timing)
-            if ok:
-                try:
-                    reply = json.loads(body)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    reply = None
-                if not isinstance(reply, dict):
-                    return _error(502, f"the upstream answered {request.path} with something other than a JSON object: "
-                                       "not passed on undefended")
+        if not defended:
+            return web.Response(body=body, status=status, headers=passed)
+        # a defended route's every reply, an error's too, waits the delays: its time may carry the upstream's
+        reply = None
+        if ok:
+            try:
+                reply = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                pass
+            if isinstance(reply, dict):
                 reply = defend_reply(reply, defence, rng)
-            else:  # one line of the log, whatever the body holds
-                note, body = f"the upstream's HTTP {status}: {body[:300].decode(errors='replace')!r}", _upstream_error(body, status)
-            passed["Content-Type"] = "application/json"
-            wait = added_delay_s(defence, rng)
-            if defence.latency_quantum_ms is not None:
-                q = defence.latency_quantum_ms / 1000.0
-                elapsed = time.monotonic() - start + wait
-                wait += math.ceil(elapsed / q) * q - elapsed
-            await asyncio.sleep(wait)
-            if ok:  # stamped when it leaves: the upstream's second, read against the client's own clock,
-                if "created" in reply:  # dated its reply before every delay (a review, 2026-12-07)
-                    reply["created"] = int(time.time())
-                body = json.dumps(reply).encode()
-        response = web.Response(body=body, status=status, headers=passed)
-        if defended and not ok:
-            response[NOTE] = note
-        return response
+        wait = added_delay_s(defence, rng)
+        if defence.latency_quantum_ms is not None:
+            q = defence.latency_quantum_ms / 1000.0
+            elapsed = time.monotonic() - start + wait
+            wait += math.ceil(elapsed / q) * q - elapsed
+        await asyncio.sleep(wait)
+        if ok and not isinstance(reply, dict):
+            return _error(502, f"the upstream answered {request.path} with something other than a JSON object: "
+                               "not passed on undefended")
+        passed["Content-Type"] = "application/json"
+        if not ok:
+            response = web.Response(body=_upstream_error(body, status), status=status, headers=passed)
+            response[NOTE] = f"the upstream's HTTP {status}: {body[:300].decode(errors='replace')!r}"  # one line
+            return response
+        if "created" in reply:  # stamped when it leaves: the upstream's second, read against the client's own clock,
+            reply["created"] = int(time.time())  # dated its reply before every delay (a review, 2026-12-07)
+        return web.Response(body=json.dumps(reply).encode(), status=status, headers=passed)
 
     async def logged(request: web.Request) -> web.StreamResponse:
         """``forward``, and one line of the proxy's log per request: its status, time and, for a refusal, why."""
