@@ -19,21 +19,22 @@ functions as ``DefendedOracle`` (``nv.oracle.defence``):
   multiple of ``latency_quantum_ms``.
 
 What the proxy cannot defend it refuses instead of passing on: a streamed request (400), a request field outside
-``REQUEST_FIELDS`` (400: llama.cpp's ``mirostat_*`` and ``samplers`` replace the truncation chain, ``dynatemp_*``
-the temperature, ``post_sampling_probs``/``n_probs`` return probabilities instead of log-probs), a POST to any other
-route (403: it might return log-probs in a shape the proxy does not know), another method on a completion route
-(405), an upstream reply to a completion that is not a JSON object (502). Its errors have OpenAI's shape (``message``,
-``type``, ``param``, ``code``) and do not name the upstream; the proxy prints one line per request (status, time,
-and why it refused or what the upstream answered). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's ``timings``,
-the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
+``REQUEST_FIELDS`` (400: llama.cpp's ``mirostat_*`` and ``samplers`` replace the truncation chain, ``dynatemp_*`` the
+temperature, ``post_sampling_probs``/``n_probs`` return probabilities instead of log-probs), a POST to any other route
+(403: it might return log-probs in a shape the proxy does not know), another method on a completion route (405), an
+upstream reply to a completion that is not a JSON object (502). Its errors have OpenAI's shape (``message``, ``type``,
+``param``, ``code``) and do not name the upstream; the proxy prints one line per request (status, time, and why it
+refused or what the upstream answered). A defended reply keeps only the fields it knows (``REPLY_FIELDS``: llama.cpp's
+``timings``, the server's own prefill time, would undo every timing knob) and only the headers in ``REPLY_HEADERS`` (a
 provider's ``openai-processing-ms`` likewise, and the upstream's ``Date``); its ``created`` is the second it leaves
-the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy
-does not have: refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and
-waits the same delays, as does the proxy's 502 for a reply that is not a JSON object; a client error keeps its OpenAI fields (its message says what to mend), a server error only
-its status (its body may hold a traceback with the upstream's paths). GET requests to ``READABLE`` (the model list, health) pass through with the same headers kept (no reply carries a
-``Server`` header, the upstream's or aiohttp's: each names a software stack); other routes are
-refused (403: a server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays
-come from the OS's entropy (``nv defend --seed`` for a reproducible run).
+the proxy, after the delays. ``pad_to_tokens`` needs the served model's tokenizer, which a proxy does not have:
+refused, as for the HTTP oracle. An upstream's error reply to a completion keeps the same headers and waits the same
+delays, as does the proxy's 502 for a reply that is not a JSON object; a client error keeps its OpenAI fields (its
+message says what to mend), a server error only its status (its body may hold a traceback with the upstream's paths).
+GET requests to ``READABLE`` (the model list, health) pass through with the same headers kept (no reply carries a
+``Server`` header, the upstream's or aiohttp's: each names a software stack); other routes are refused (403: a
+server's ``/metrics`` counts prefill seconds, each request's own prefill time). Noise and delays come from the OS's
+entropy (``nv defend --seed`` for a reproducible run).
 Credentials in ``--upstream`` (``http://user:password@host``) go into the upstream requests' header only, never into
 output.
 """
