@@ -99,7 +99,7 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
             raise NVError(f"the pilot in {pilot} was drawn with live.top_logprobs = {drawn_by['top_logprobs']}: its counts are "
                           "top-k reveals, not draws; the planner needs a pilot drawn with live.top_logprobs: 0")
         source = pilot_source(drawn_by, params["live"], target)
-        from nv.phase1.planner import MIN_CHECKED, draws_over_expected
+        from nv.phase1.planner import MIN_CHECKED, disk_bytes, draws_over_expected, fit
 
         checked = draws_over_expected(drawn)[1]
         if checked < MIN_CHECKED:  # an undersized pilot planned N beyond 1e8 and a disk 1000x too small (a review)
@@ -134,8 +134,6 @@ def plan(params: dict, budget: Budget, pilot: Path | None = None, target: tuple[
     out["theorem1_common_set"] = {V: guaranteed_common_size(out["sized_N"], search["D"], V) for V in EFFECTIVE_VOCABS}
     out["journal_bytes"] = {k: v * out["rounds"][len(sized) - 1]["requests"] for k, v in JOURNAL_BYTES.items()}
     if drawn is not None:
-        from nv.phase1.planner import disk_bytes, fit
-
         tail = fit(drawn, params["planner"]["min_seen"])
         needed = {size: tail.samples_for(size, search["D"], N_max=1e8) for size in PLAN_SIZES}
         out["pilot"] = {"folder": str(pilot), "D0": tail.D0, "N0": tail.N0, "logprobs": tail.logprobs, **source,
@@ -266,6 +264,11 @@ def _money(x: float) -> str:
     return f"{x:,.2f}" if x >= 0.01 else f"{x:.3g}"
 
 
+def _amount(what: str, x: float) -> str:
+    """A cap or a spend as the plan prints it: money with cents (``_money``), tokens and calls whole."""
+    return _money(x) if what == "money" else f"{x:,.0f}"
+
+
 def _format_k(timing: dict) -> str:
     """The plan's line on Eq. 8's platform transfer factor k, with the caveat where it is the default."""
     k, platform = timing["k"], timing["calibration"]["platform"]
@@ -292,7 +295,7 @@ def _format_rounds(rounds: list[dict], budget: Budget, phase2: dict | None) -> s
                 f"{r['tokens_billed']:,} billed" + ("" if r["money"] is None else f", money {_money(r['money'])}"))
         over = budget.passed(*_with_phase2(r, phase2))
         if over and not stopped:
-            line += f"  <- past --budget-{over[0]} {over[1]:,.6g}: the run stops before this round"
+            line += f"  <- past --budget-{over[0]} {_amount(over[0], over[1])}: the run stops before this round"
             stopped = True
         lines.append(line)
     lines.append("                    (the totals below are N_max's, the worst case; a cap ends the run after its last "
@@ -360,7 +363,7 @@ def _with_phase2(cost: dict, phase2: dict | None) -> tuple[int, int]:
 def _paid_over(paid: dict, budget: Budget) -> str:
     """The dry run's note where the journal's spend alone passes a cap: only the requests it answers can still run."""
     over = budget.passed(paid["requests"], paid["tokens_billed"])
-    return "" if over is None else (f" (these alone pass the {over[0]} cap, {over[2]:,.6g} > {over[1]:,.6g}: a run can use "
+    return "" if over is None else (f" (these alone pass the {over[0]} cap, {_amount(over[0], over[2])} > {_amount(over[0], over[1])}: a run can use "
                                     "only what the journal answers, and one that needs a new request stops before it)")
 
 
@@ -373,7 +376,7 @@ def check_budget(p: dict, budget: Budget) -> None:
         what, cap, amount = over
         with2 = f" with phase 2's {p['phase2']['requests']:,} timed calls" if p.get("phase2") else ""
         raise NVError(f"budget too small: the planned attack (D = {p['D']:,}, N = {phase1['N']:,}){with2} needs "
-                      f"{amount:,.6g} {what} > --budget-{what} {cap:,.6g}; lower D or N, or raise the budget")
+                      f"{_amount(what, amount)} {what} > --budget-{what} {_amount(what, cap)}; lower D or N, or raise the budget")
 
 
 def attack(base_url: str, model: str, params: dict, out: Path, journal_path: Path, budget: Budget,

@@ -369,11 +369,11 @@ def test_a_pilot_too_small_to_check_is_refused_and_the_plan_adds_both_phases(roo
     calibration = {"platform": "inprocess", "r": 0.1, "trials": 10, "warmups": 3, "n_lengths": 24, "discard": 12,
                    "kv_ratio": 0.25, "ffn_ratio": 3.5}
     timing = {"calibration": calibration, "k": 1.0, "vocab_size": None, "p_max": 8192, "d_hat": 576, "k_given": False}
-    budget = Budget(None, None, None, 0.2)
+    budget = Budget(None, 5_000_000, None, 0.2)  # a call cap that stops the adaptive rounds short of N_max
     p = plan(params | {"sampling": {**params["sampling"], "N": "auto", "N0": 1000, "N_max": 64_000, "growth": 2.0}},
-             Budget(None, 5_000_000, None, 0.2), None, None, timing)
-    assert p["sized_N"] < 64_000 and f"at N = {p['sized_N']:,}, |C| >= d" in format_plan(p, params, "m", "http://x/v1", budget, timing)
+             budget, None, None, timing)
     text = format_plan(p, params, "m", "http://x/v1", budget, timing)
+    assert p["sized_N"] < 64_000 and f"at N = {p['sized_N']:,}, |C| >= d" in text
     both = p["requests"] + p["phase2"]["requests"]
     assert f"  both phases       {both:,} requests, {p['tokens_billed'] + p['phase2']['tokens_billed']:,} billed tokens" in text
     assert "NOTE: k = 1 (--timing-k not given): phase 2's calibration was timed on platform 'inprocess'" in text
